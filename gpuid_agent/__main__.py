@@ -1,0 +1,5 @@
+import sys
+
+from gpuid_agent.cli import main
+
+sys.exit(main())

@@ -1,0 +1,289 @@
+"""Wiring: sources → inventory → sinks, supervised tasks, the HTTP server, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from gpuid_agent import __version__, log
+from gpuid_agent.config import Settings
+from gpuid_agent.errors import NvmlUnavailableError
+from gpuid_agent.inventory import build_inventory
+from gpuid_agent.metrics import AgentMetrics
+from gpuid_agent.model import GpuSample, NodeInventory
+from gpuid_agent.server import build_app
+from gpuid_agent.sinks import gpu_metrics
+from gpuid_agent.sinks.exporters.base import Exporter
+from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
+from gpuid_agent.sinks.records import ReadingEmitter
+from gpuid_agent.sources.machine import local_machine_id
+from gpuid_agent.sources.nvml import NvmlSource
+from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
+from gpuid_agent.status import StatusBoard
+from gpuid_agent.supervisor import Supervisor
+
+_log = log.get("agent")
+NVML_BACKOFF_MAX = 300.0
+
+
+def make_nvml_api(settings: Settings) -> NvmlApi:
+    if settings.simulate:
+        from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+
+        return SimulatedNvml(settings.simulate, settings.effective_node_name())
+    return PynvmlApi(settings.nvml_library_path)
+
+
+def make_exporters(settings: Settings) -> list[Exporter]:
+    exporters: list[Exporter] = []
+    for name in settings.exporter_type:
+        if name == "stdout":
+            from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+
+            exporters.append(StdoutExporter())
+        else:  # pragma: no cover - guarded by config validation until the exporter lands
+            raise NotImplementedError(f"exporter {name} is not available in this build")
+    return exporters
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        nvml_api: NvmlApi | None = None,
+        exporters: Sequence[Exporter] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node = settings.effective_node_name()
+        self.metrics = AgentMetrics()
+        self.registry = self.metrics.registry
+        self.board = StatusBoard()
+        self.supervisor = Supervisor()
+        self.nvml = NvmlSource(nvml_api or make_nvml_api(settings))
+        policy = BatchPolicy(
+            batch_size=settings.batch_size,
+            flush_interval=settings.flush_interval,
+            queue_size=settings.queue_size,
+            retry_count=settings.retry_count,
+            timeout=settings.timeout,
+        )
+        chosen = list(exporters) if exporters is not None else make_exporters(settings)
+        self.pipeline = Pipeline([ExporterWorker(e, policy, self.metrics) for e in chosen], self.metrics)
+        source = (
+            f"{settings.pod_namespace}/{settings.pod_name}"
+            if settings.pod_name
+            else f"gpuid-agent/{self.node}"
+        )
+        self.emitter = ReadingEmitter(
+            source=source,
+            heartbeat_interval=settings.heartbeat_interval,
+            publish=self.pipeline.publish,
+        )
+        self.machine, self.machine_source = self._machine_identity()
+        self.inventory: NodeInventory | None = None
+        self.samples: dict[str, GpuSample] = {}
+        self._rendered = gpu_metrics.EMPTY
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+        self.started_at = datetime.now(UTC)
+        self.board.set("nvml", "starting")
+        for worker in self.pipeline.workers:
+            self.board.set(f"exporter:{worker.name}", "ok")
+
+    def _machine_identity(self) -> tuple[str, str]:
+        if self.settings.simulate:
+            return f"sim-{self.node}", "simulated"
+        found = local_machine_id(self.settings.dmi_product_uuid_path, self.settings.machine_id_path)
+        return found if found else (self.node, "node_name")
+
+    # ---- collection ------------------------------------------------------------------------
+
+    async def collect_once(self) -> bool:
+        """One NVML pass: update the snapshot, /gpu/metrics and the emitter. False if NVML is
+        unavailable (the reason is on the status board)."""
+        if not self.nvml.initialised:
+            try:
+                await self.nvml.init()
+            except NvmlUnavailableError as exc:
+                self._nvml_down(str(exc), "init")
+                return False
+        started = time.perf_counter()
+        try:
+            reading = await self.nvml.read()
+        except NvmlUnavailableError as exc:
+            self._nvml_down(str(exc), "read")
+            return False
+        self.metrics.collection_duration.observe(time.perf_counter() - started)
+        if reading.errors:
+            self.metrics.collection_errors.labels("field").inc(reading.errors)
+        if reading.lost:
+            self.metrics.collection_errors.labels("gpu_lost").inc(len(reading.lost))
+        inventory = build_inventory(
+            reading.gpus,
+            node=self.node,
+            cluster=self.settings.cluster_name,
+            machine=self.machine,
+            machine_source=self.machine_source,
+            driver_version=reading.driver_version,
+            cuda_driver_version=reading.cuda_driver_version,
+            read_time=datetime.now(UTC),
+        )
+        self.inventory = inventory
+        self.samples = reading.samples
+        self._rendered = gpu_metrics.render(inventory, reading.samples, self.settings.metrics_naming)
+        self.metrics.gpu_count.set(len(inventory.gpus))
+        self.metrics.nvml_up.set(1)
+        if reading.lost:
+            lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))
+            self.board.set("nvml", "degraded", f"unreadable: {lost}")
+        else:
+            self.board.set("nvml", "ok")
+        self.emitter.offer(inventory)
+        return True
+
+    def _nvml_down(self, reason: str, stage: str) -> None:
+        self.metrics.nvml_up.set(0)
+        self.metrics.collection_errors.labels(stage).inc()
+        self.board.set("nvml", "unavailable", reason)
+
+    async def _collect_loop(self) -> None:
+        failures = 0
+        while True:
+            if await self.collect_once():
+                failures = 0
+                delay = self.settings.collect_interval
+            else:
+                failures += 1
+                cap = min(NVML_BACKOFF_MAX, 2.0**failures)
+                delay = random.uniform(cap / 2, cap)
+            await asyncio.sleep(delay)
+
+    # ---- AgentView for the server ----------------------------------------------------------
+
+    def gpu_metrics(self) -> gpu_metrics.RenderedMetrics:
+        return self._rendered
+
+    def liveness(self) -> tuple[bool, list[str]]:
+        problems = self.supervisor.problems()
+        return not problems, problems
+
+    async def readiness(self) -> tuple[bool, list[str]]:
+        problems = list(self.supervisor.problems())
+        nvml = self.board.get("nvml")
+        if nvml is None or nvml.state not in ("ok", "degraded"):
+            reason = nvml.reason if nvml and nvml.reason else "not read yet"
+            problems.append(f"nvml: {reason}")
+        for name, health in (await self.pipeline.health()).items():
+            self.board.set(f"exporter:{name}", "ok" if health.ok else "degraded", health.reason)
+            if not health.ok:
+                problems.append(f"exporter {name}: {health.reason}")
+        ok = not problems
+        self.metrics.health_check_success.set(1 if ok else 0)
+        return ok, problems
+
+    async def status(self) -> dict[str, Any]:
+        ready, problems = await self.readiness()
+        inventory = self.inventory
+        return {
+            "version": __version__,
+            "node": self.node,
+            "cluster": self.settings.cluster_name,
+            "machine": {"id": self.machine, "source": self.machine_source},
+            "started_at": self.started_at,
+            "ready": ready,
+            "problems": problems,
+            "components": self.board.as_dict(),
+            "inventory": None
+            if inventory is None
+            else {
+                "read_time": inventory.read_time,
+                "driver_version": inventory.driver_version,
+                "cuda_driver_version": inventory.cuda_driver_version,
+                "gpu_count": len(inventory.gpus),
+                "serials": inventory.serials,
+                "chassis": inventory.chassis_serials,
+                "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
+            },
+            "exporters": [
+                {
+                    "name": w.name,
+                    "pending": w.pending,
+                    "delivered_records": w.delivered_records,
+                    "last_error": w.last_error,
+                }
+                for w in self.pipeline.workers
+            ],
+            "config": self.settings.redacted(),
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        log.set_context(node=self.node)
+        app = build_app(self)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.settings.server_address, self.settings.server_port, reuse_address=True
+        )
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self.settings.server_port
+        for worker in self.pipeline.workers:
+            self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
+        self.supervisor.spawn("emitter", self.emitter.run())
+        self.supervisor.spawn("collector", self._collect_loop())
+        _log.info(
+            "agent started",
+            extra={
+                "version": __version__,
+                "port": self.bound_port,
+                "exporters": [w.name for w in self.pipeline.workers],
+                "simulate": self.settings.simulate or None,
+                "pid": os.getpid(),
+            },
+        )
+
+    async def stop(self) -> None:
+        """Stop collecting, flush what is queued within the grace period, release everything."""
+        grace = self.settings.shutdown_grace
+        deadline = time.monotonic() + grace
+        await self.supervisor.stop("collector")
+        self.emitter.stop()
+        if not await self.supervisor.wait("emitter", max(0.0, deadline - time.monotonic())):
+            await self.supervisor.stop("emitter")
+        for worker in self.pipeline.workers:
+            worker.close_intake()
+        names = [f"exporter:{w.name}" for w in self.pipeline.workers]
+        flushed = await asyncio.gather(
+            *(self.supervisor.wait(n, max(0.0, deadline - time.monotonic())) for n in names)
+        )
+        if not all(flushed):
+            left = sum(w.pending for w in self.pipeline.workers)
+            _log.error("grace period over with records unsent", extra={"pending": left})
+        await self.supervisor.stop()
+        for worker in self.pipeline.workers:
+            await worker.exporter.close()
+        await self.nvml.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        _log.info("agent stopped")
+
+
+async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
+    agent = Agent(settings)
+    await agent.start()
+    try:
+        await stop.wait()
+    finally:
+        await agent.stop()

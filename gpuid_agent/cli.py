@@ -1,0 +1,143 @@
+"""Command line: run, inventory, check-config, --version.
+
+Every setting is also a flag (`BATCH_SIZE` → `--batch-size`); flags win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from gpuid_agent import __version__, log
+from gpuid_agent.config import Settings, load_settings
+from gpuid_agent.errors import ConfigError, NvmlUnavailableError
+
+EXIT_CONFIG = 2
+EXIT_NVML = 3
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (each also read from its environment variable)")
+    for name, field in Settings.model_fields.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=f"setting_{name}",
+            metavar=name.upper(),
+            default=None,
+            help=field.description,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuid-agent", description="GPU inventory and pod attribution agent."
+    )
+    parser.add_argument("--version", action="version", version=f"gpuid-agent {__version__}")
+    commands = parser.add_subparsers(dest="command")
+    run = commands.add_parser("run", help="run the agent (default)")
+    _add_setting_flags(run)
+    inventory = commands.add_parser("inventory", help="print what NVML shows on this node")
+    inventory.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_setting_flags(inventory)
+    check = commands.add_parser("check-config", help="print the effective config, secrets redacted")
+    _add_setting_flags(check)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        key.removeprefix("setting_"): value
+        for key, value in vars(args).items()
+        if key.startswith("setting_") and value is not None
+    }
+
+
+def _run(settings: Settings) -> int:
+    from gpuid_agent.agent import run_agent
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_agent(settings, stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def _inventory(settings: Settings, as_json: bool) -> int:
+    from gpuid_agent.agent import make_nvml_api
+    from gpuid_agent.sources.nvml import NvmlSource
+
+    async def read() -> Any:
+        source = NvmlSource(make_nvml_api(settings))
+        try:
+            await source.init()
+            return await source.read()
+        finally:
+            await source.close()
+
+    try:
+        reading = asyncio.run(read())
+    except NvmlUnavailableError as exc:
+        print(f"gpuid-agent: NVML unavailable: {exc}", file=sys.stderr)
+        return EXIT_NVML
+    if as_json:
+        body = {
+            "driver_version": reading.driver_version,
+            "cuda_driver_version": reading.cuda_driver_version,
+            "gpus": [dataclasses.asdict(g) for g in reading.gpus],
+            "unreadable": {str(k): v for k, v in reading.lost.items()},
+        }
+        sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    print(f"driver {reading.driver_version or '-'}  cuda {reading.cuda_driver_version or '-'}")
+    columns = ("IDX", "UUID", "SERIAL", "MODEL", "PCI BUS ID", "MODULE", "CHASSIS", "MIG")
+    rows = [
+        (
+            str(g.index),
+            g.uuid,
+            g.serial or "-",
+            g.name or "-",
+            g.pci_bus_id or "-",
+            "-" if g.module_id is None else str(g.module_id),
+            g.chassis_serial or "-",
+            str(len(g.mig_devices)) if g.mig_enabled else "off" if g.mig_enabled is False else "-",
+        )
+        for g in reading.gpus
+    ]
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    for row in [columns, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for index, why in sorted(reading.lost.items()):
+        print(f"GPU {index} unreadable: {why}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "run"
+    if args.command is None:
+        args = parser.parse_args(["run", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        settings = load_settings(_overrides(args))
+    except ConfigError as exc:
+        print(f"gpuid-agent: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    log.configure(settings.log_level)
+    if command == "check-config":
+        body = orjson.dumps(settings.redacted(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        sys.stdout.write(body.decode() + "\n")
+        return 0
+    if command == "inventory":
+        return _inventory(settings, args.json)
+    return _run(settings)

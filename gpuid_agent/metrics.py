@@ -1,0 +1,73 @@
+"""The agent's own metrics (/metrics), in one registry per agent instance.
+
+A registry per instance (not prometheus_client's global one) lets several agents run in one
+process, which the tests and the benchmark rely on.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpuid_agent import __version__
+
+_EXPORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Gauge(
+            "gpuid_build_info", "Agent build information.", ["version", "python"], registry=r
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.gpu_count = Gauge("gpuid_gpu_count", "GPUs NVML reports on this node.", registry=r)
+        self.nvml_up = Gauge("gpuid_nvml_up", "1 when NVML is initialised and readable.", registry=r)
+        self.collection_duration = Histogram(
+            "gpuid_collection_duration_seconds", "Duration of one NVML collection.", registry=r
+        )
+        self.collection_errors = Counter(
+            "gpuid_collection_errors_total", "Failed NVML reads by reason.", ["reason"], registry=r
+        )
+        self.records_emitted = Counter(
+            "gpuid_records_emitted_total", "Records handed to the exporters.", ["kind"], registry=r
+        )
+        self.export_success = Counter(
+            "gpuid_export_success_total", "Batches delivered.", ["exporter"], registry=r
+        )
+        self.exported_records = Counter(
+            "gpuid_exported_records_total", "Records delivered.", ["exporter"], registry=r
+        )
+        self.export_failure = Counter(
+            "gpuid_export_failure_total",
+            "Failed export attempts by error type.",
+            ["exporter", "error_type"],
+            registry=r,
+        )
+        self.export_duration = Histogram(
+            "gpuid_export_duration_seconds",
+            "Duration of one export attempt.",
+            ["exporter"],
+            buckets=_EXPORT_BUCKETS,
+            registry=r,
+        )
+        self.dropped_records = Counter(
+            "gpuid_dropped_records_total",
+            "Records given up on, by exporter and reason.",
+            ["exporter", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gpuid_queue_depth", "Records waiting for an exporter.", ["exporter"], registry=r
+        )
+        self.last_export_success = Gauge(
+            "gpuid_last_export_success_timestamp_seconds",
+            "Unix time of the last delivered batch.",
+            ["exporter"],
+            registry=r,
+        )
+        self.health_check_success = Gauge(
+            "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
+        )

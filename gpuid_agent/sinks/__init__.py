@@ -1,0 +1,1 @@
+"""Where the inventory goes: records to exporters, node labels, /gpu/metrics."""

@@ -1,0 +1,1 @@
+"""Exporters deliver record batches to one sink each; see base.Exporter."""

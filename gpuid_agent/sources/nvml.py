@@ -1,0 +1,240 @@
+"""Reading GPUs through NVML: tolerant per field, off the event loop, retried when absent.
+
+A field NVML does not support (or a driver too old to have the call) is simply absent. A GPU
+that is lost keeps its last known identity so a transient fault does not look like a GPU
+being pulled from the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TypeVar
+
+import pynvml
+
+from gpuid_agent import log
+from gpuid_agent.errors import NvmlUnavailableError
+from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
+from gpuid_agent.sources.nvml_api import Handle, NvmlApi
+
+T = TypeVar("T")
+_log = log.get("nvml")
+
+# Codes meaning "this field is not available here", not "something is wrong".
+_ABSENT = (
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    pynvml.NVML_ERROR_NOT_FOUND,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+    pynvml.NVML_ERROR_NO_DATA,
+)
+LOST_CODES = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED)
+_MIG_PROFILE = re.compile(r"\bMIG\s+(\S+)\s*$")
+
+
+class GpuLostError(Exception):
+    def __init__(self, index: int, code: int) -> None:
+        super().__init__(f"GPU {index} is lost (NVML error {code})")
+        self.index = index
+        self.code = code
+
+
+@dataclass(slots=True)
+class NvmlReading:
+    """What one pass over NVML found."""
+
+    driver_version: str | None
+    cuda_driver_version: str | None
+    gpus: list[GpuIdentity]
+    samples: dict[str, GpuSample]
+    lost: dict[int, str] = field(default_factory=dict)
+    errors: int = 0
+
+
+def format_cuda_version(value: int) -> str:
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+class NvmlReader:
+    """Synchronous reads through an NvmlApi; call only from the NVML thread."""
+
+    def __init__(self, api: NvmlApi) -> None:
+        self.api = api
+        self._warned: set[tuple[int, str]] = set()
+        self.errors = 0
+
+    def _field(self, index: int, name: str, call: Callable[[], T]) -> T | None:
+        try:
+            return call()
+        except pynvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code in LOST_CODES:
+                raise GpuLostError(index, int(code or 0)) from exc
+            if code in _ABSENT:
+                return None
+            self.errors += 1
+            self._warn_once(index, name, f"NVML error reading {name}: {exc}")
+            return None
+        except (ValueError, UnicodeDecodeError, OverflowError) as exc:
+            self.errors += 1
+            self._warn_once(index, name, f"malformed {name} from NVML: {exc}")
+            return None
+
+    def _warn_once(self, index: int, name: str, message: str) -> None:
+        if (index, name) not in self._warned:
+            self._warned.add((index, name))
+            _log.warning(message, extra={"gpu": index, "field": name})
+
+    def read_identity(self, index: int, handle: Handle) -> GpuIdentity:
+        api = self.api
+        uuid = self._field(index, "uuid", lambda: api.uuid(handle))
+        mig_mode = self._field(index, "mig_mode", lambda: api.mig_mode(handle))
+        return GpuIdentity(
+            index=index,
+            uuid=uuid or f"unknown-gpu-{index}",
+            serial=self._clean(self._field(index, "serial", lambda: api.serial(handle))),
+            name=self._clean(self._field(index, "name", lambda: api.name(handle))),
+            pci_bus_id=self._field(index, "pci_bus_id", lambda: api.pci_bus_id(handle)),
+            minor_number=self._field(index, "minor_number", lambda: api.minor_number(handle)),
+            module_id=self._field(index, "module_id", lambda: api.module_id(handle)),
+            board_part_number=self._clean(
+                self._field(index, "board_part_number", lambda: api.board_part_number(handle))
+            ),
+            platform=self._field(index, "platform_info", lambda: api.platform_info(handle)),
+            mig_enabled=None if mig_mode is None else mig_mode == 1,
+            mig_devices=self._mig_devices(index, handle) if mig_mode == 1 else (),
+        )
+
+    @staticmethod
+    def _clean(value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        return value if value and value.isprintable() else None
+
+    def _mig_devices(self, index: int, handle: Handle) -> tuple[MigDevice, ...]:
+        api = self.api
+        count = self._field(index, "mig_count", lambda: api.max_mig_device_count(handle)) or 0
+        devices = []
+        for mig_index in range(count):
+            try:
+                mig = api.mig_device_handle(handle, mig_index)
+            except pynvml.NVMLError:
+                continue  # slot without a configured instance
+            uuid = self._field(index, "mig_uuid", lambda m=mig: api.uuid(m))
+            if not uuid:
+                continue
+            name = self._field(index, "mig_name", lambda m=mig: api.name(m))
+            match = _MIG_PROFILE.search(name or "")
+            devices.append(
+                MigDevice(
+                    index=mig_index,
+                    uuid=uuid,
+                    gpu_instance_id=self._field(
+                        index, "gpu_instance_id", lambda m=mig: api.gpu_instance_id(m)
+                    ),
+                    compute_instance_id=self._field(
+                        index, "compute_instance_id", lambda m=mig: api.compute_instance_id(m)
+                    ),
+                    profile=match.group(1) if match else None,
+                )
+            )
+        return tuple(devices)
+
+    def read_sample(self, index: int, uuid: str, handle: Handle) -> GpuSample:
+        api = self.api
+        values: dict[str, float] = {}
+        util = self._field(index, "utilization", lambda: api.utilization(handle))
+        if util is not None:
+            values["gpu_util"], values["mem_copy_util"] = float(util[0]), float(util[1])
+        mem = self._field(index, "memory", lambda: api.memory_info(handle))
+        if mem is not None:
+            total, used, free = mem
+            values["memory_total_bytes"] = float(total)
+            values["memory_used_bytes"] = float(used)
+            values["memory_free_bytes"] = float(free)
+        temp = self._field(index, "temperature", lambda: api.temperature(handle))
+        if temp is not None:
+            values["temperature_celsius"] = float(temp)
+        power = self._field(index, "power", lambda: api.power_usage_mw(handle))
+        if power is not None:
+            values["power_watts"] = power / 1000.0
+        return GpuSample(uuid=uuid, values=MappingProxyType(values))
+
+    def read(self, previous: dict[int, GpuIdentity]) -> NvmlReading:
+        api = self.api
+        self.errors = 0
+        driver = self._field(-1, "driver_version", api.driver_version)
+        cuda = self._field(-1, "cuda_driver_version", api.cuda_driver_version)
+        count = api.device_count()
+        reading = NvmlReading(
+            driver_version=driver,
+            cuda_driver_version=format_cuda_version(cuda) if cuda else None,
+            gpus=[],
+            samples={},
+        )
+        for index in range(count):
+            try:
+                handle = api.handle_by_index(index)
+                gpu = self.read_identity(index, handle)
+                reading.samples[gpu.uuid] = self.read_sample(index, gpu.uuid, handle)
+            except (GpuLostError, pynvml.NVMLError) as exc:
+                reading.lost[index] = str(exc)
+                self._warn_once(index, "lost", f"GPU {index} unreadable: {exc}")
+                known = previous.get(index)
+                if known is not None:
+                    reading.gpus.append(known)
+                continue
+            self._warned.discard((index, "lost"))
+            reading.gpus.append(gpu)
+        reading.errors = self.errors
+        return reading
+
+
+class NvmlSource:
+    """Owns the one thread that talks to NVML and the init/retry state."""
+
+    def __init__(self, api: NvmlApi) -> None:
+        self.reader = NvmlReader(api)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self.initialised = False
+        self.last_error: str | None = None
+        self._previous: dict[int, GpuIdentity] = {}
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def init(self) -> None:
+        """Initialise NVML; raises NvmlUnavailableError with the reason."""
+        try:
+            await self._call(self.reader.api.init)
+        except NvmlUnavailableError as exc:
+            self.last_error = str(exc)
+            raise
+        self.initialised = True
+        self.last_error = None
+
+    async def read(self) -> NvmlReading:
+        try:
+            reading = await self._call(lambda: self.reader.read(self._previous))
+        except pynvml.NVMLError as exc:
+            # Whole-library failure (driver unloaded, uninitialised): re-init next time.
+            self.initialised = False
+            self.last_error = f"NVML read failed: {exc}"
+            raise NvmlUnavailableError(self.last_error) from exc
+        self._previous = {gpu.index: gpu for gpu in reading.gpus}
+        return reading
+
+    async def close(self) -> None:
+        if self.initialised:
+            try:
+                await self._call(self.reader.api.shutdown)
+            except pynvml.NVMLError as exc:
+                _log.debug("nvmlShutdown failed", extra={"error": str(exc)})
+            self.initialised = False
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,32 @@
+"""Project automation: `nox -s tests`, `nox -s lint`, `nox -s bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite, real servers included (PostgreSQL, moto S3, gRPC kubelet)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, mypy --strict on the package, and the import-linter layering contracts."""
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", "gpuid_agent", "tests", "noxfile.py", "benchmarks")
+    session.run("ruff", "format", "--check", "gpuid_agent")
+    session.run("mypy", "--strict", "gpuid_agent")
+    session.run("lint-imports")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks; prints a table. Not a test: figures vary with the machine."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks", *session.posargs)
