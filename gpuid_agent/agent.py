@@ -77,7 +77,9 @@ class Agent:
             timeout=settings.timeout,
         )
         chosen = list(exporters) if exporters is not None else make_exporters(settings)
-        self.pipeline = Pipeline([ExporterWorker(e, policy, self.metrics) for e in chosen], self.metrics)
+        self.pipeline = Pipeline(
+            [ExporterWorker(e, policy, self.metrics) for e in chosen], self.metrics
+        )
         source = (
             f"{settings.pod_namespace}/{settings.pod_name}"
             if settings.pod_name
@@ -139,7 +141,9 @@ class Agent:
         )
         self.inventory = inventory
         self.samples = reading.samples
-        self._rendered = gpu_metrics.render(inventory, reading.samples, self.settings.metrics_naming)
+        self._rendered = gpu_metrics.render(
+            inventory, reading.samples, self.settings.metrics_naming
+        )
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:
@@ -233,7 +237,10 @@ class Agent:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(
-            self._runner, self.settings.server_address, self.settings.server_port, reuse_address=True
+            self._runner,
+            self.settings.server_address,
+            self.settings.server_port,
+            reuse_address=True,
         )
         await site.start()
         server = getattr(site, "_server", None)

@@ -84,7 +84,9 @@ def _exporters(value: list[str]) -> list[str]:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 PositiveDuration = Annotated[float, BeforeValidator(parse_duration), AfterValidator(_positive)]
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_list)]
-_LABEL_PREFIX = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_PREFIX = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 
 
 def _label_prefix(value: str) -> str:

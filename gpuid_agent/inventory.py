@@ -63,5 +63,7 @@ def diff(old: NodeInventory | None, new: NodeInventory) -> list[Change]:
         elif prev != gpu:
             changed = tuple(f for f in _GPU_FIELDS if getattr(prev, f) != getattr(gpu, f))
             changes.append(Change("changed", uuid, prev, gpu, changed))
-    changes.extend(Change("removed", uuid, gpu, None) for uuid, gpu in before.items() if uuid not in after)
+    changes.extend(
+        Change("removed", uuid, gpu, None) for uuid, gpu in before.items() if uuid not in after
+    )
     return changes

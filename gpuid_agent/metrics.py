@@ -24,7 +24,9 @@ class AgentMetrics:
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
         self.gpu_count = Gauge("gpuid_gpu_count", "GPUs NVML reports on this node.", registry=r)
-        self.nvml_up = Gauge("gpuid_nvml_up", "1 when NVML is initialised and readable.", registry=r)
+        self.nvml_up = Gauge(
+            "gpuid_nvml_up", "1 when NVML is initialised and readable.", registry=r
+        )
         self.collection_duration = Histogram(
             "gpuid_collection_duration_seconds", "Duration of one NVML collection.", registry=r
         )

@@ -44,22 +44,24 @@ class Supervisor:
     def problems(self) -> list[str]:
         return [f"task {name} {why}" for name, why in sorted(self.dead.items())]
 
-    async def stop(self, *names: str, timeout: float | None = None) -> None:
+    async def stop(self, *names: str, within: float | None = None) -> None:
         """Cancel the named tasks (all when none named) and wait for them."""
         self._stopping = True
-        targets = [self._tasks[n] for n in names if n in self._tasks] if names else list(
-            self._tasks.values()
+        targets = (
+            [self._tasks[n] for n in names if n in self._tasks]
+            if names
+            else list(self._tasks.values())
         )
         for task in targets:
             task.cancel()
         if targets:
-            await asyncio.wait(targets, timeout=timeout)
+            await asyncio.wait(targets, timeout=within)
 
-    async def wait(self, name: str, timeout: float) -> bool:
+    async def wait(self, name: str, within: float) -> bool:
         """Let a task finish on its own; True when it did within the timeout."""
         task = self._tasks.get(name)
         if task is None:
             return True
         self._stopping = True
-        done, _ = await asyncio.wait([task], timeout=timeout)
+        done, _ = await asyncio.wait([task], timeout=within)
         return bool(done)

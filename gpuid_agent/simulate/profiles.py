@@ -94,7 +94,11 @@ def mig_h100(node: str) -> list[SimGpu]:
     gpus[0].mig = [
         SimMig(_uuid(f"{node}/mig0/{j}", "MIG"), f"NVIDIA H100 80GB HBM3 MIG {p}", gi, 0, mem)
         for j, (p, gi, mem) in enumerate(
-            [("3g.40gb", 1, 40 * 1024**3), ("2g.20gb", 2, 20 * 1024**3), ("1g.10gb", 9, 10 * 1024**3)]
+            [
+                ("3g.40gb", 1, 40 * 1024**3),
+                ("2g.20gb", 2, 20 * 1024**3),
+                ("1g.10gb", 9, 10 * 1024**3),
+            ]
         )
     ]
     return gpus

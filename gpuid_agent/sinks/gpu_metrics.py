@@ -13,7 +13,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from gpuid_agent.model import GpuSample, NodeInventory
@@ -35,20 +35,57 @@ class FieldSpec:
 # Sample keys (from the NVML source) → exposed names. Prometheus naming uses base units
 # (bytes, ratios, watts); dcgm naming keeps dcgm-exporter's units (MiB, percent).
 FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec("gpu_util", "gpuid_gpu_utilization_ratio", 0.01, "DCGM_FI_DEV_GPU_UTIL", 1,
-              "GPU utilization."),
-    FieldSpec("mem_copy_util", "gpuid_gpu_memory_copy_utilization_ratio", 0.01,
-              "DCGM_FI_DEV_MEM_COPY_UTIL", 1, "Memory copy utilization."),
-    FieldSpec("memory_used_bytes", "gpuid_gpu_memory_used_bytes", 1, "DCGM_FI_DEV_FB_USED",
-              1 / MIB, "Framebuffer memory used."),
-    FieldSpec("memory_free_bytes", "gpuid_gpu_memory_free_bytes", 1, "DCGM_FI_DEV_FB_FREE",
-              1 / MIB, "Framebuffer memory free."),
-    FieldSpec("memory_total_bytes", "gpuid_gpu_memory_total_bytes", 1, "DCGM_FI_DEV_FB_TOTAL",
-              1 / MIB, "Framebuffer memory total."),
-    FieldSpec("temperature_celsius", "gpuid_gpu_temperature_celsius", 1, "DCGM_FI_DEV_GPU_TEMP",
-              1, "GPU temperature."),
-    FieldSpec("power_watts", "gpuid_gpu_power_watts", 1, "DCGM_FI_DEV_POWER_USAGE", 1,
-              "Power draw."),
+    FieldSpec(
+        "gpu_util",
+        "gpuid_gpu_utilization_ratio",
+        0.01,
+        "DCGM_FI_DEV_GPU_UTIL",
+        1,
+        "GPU utilization.",
+    ),
+    FieldSpec(
+        "mem_copy_util",
+        "gpuid_gpu_memory_copy_utilization_ratio",
+        0.01,
+        "DCGM_FI_DEV_MEM_COPY_UTIL",
+        1,
+        "Memory copy utilization.",
+    ),
+    FieldSpec(
+        "memory_used_bytes",
+        "gpuid_gpu_memory_used_bytes",
+        1,
+        "DCGM_FI_DEV_FB_USED",
+        1 / MIB,
+        "Framebuffer memory used.",
+    ),
+    FieldSpec(
+        "memory_free_bytes",
+        "gpuid_gpu_memory_free_bytes",
+        1,
+        "DCGM_FI_DEV_FB_FREE",
+        1 / MIB,
+        "Framebuffer memory free.",
+    ),
+    FieldSpec(
+        "memory_total_bytes",
+        "gpuid_gpu_memory_total_bytes",
+        1,
+        "DCGM_FI_DEV_FB_TOTAL",
+        1 / MIB,
+        "Framebuffer memory total.",
+    ),
+    FieldSpec(
+        "temperature_celsius",
+        "gpuid_gpu_temperature_celsius",
+        1,
+        "DCGM_FI_DEV_GPU_TEMP",
+        1,
+        "GPU temperature.",
+    ),
+    FieldSpec(
+        "power_watts", "gpuid_gpu_power_watts", 1, "DCGM_FI_DEV_POWER_USAGE", 1, "Power draw."
+    ),
 )
 
 # Identity labels: (prometheus name, dcgm name)
@@ -85,9 +122,7 @@ def build_families(
     label_names = [d if dcgm else p for p, d in LABELS]
     info_name = "DCGM_FI_DEV_INFO" if dcgm else "gpuid_gpu_info"
     extra = ["chassis", "module_id", "driver_version"]
-    info = GaugeMetricFamily(
-        info_name, "GPU identity (value 1).", labels=label_names + extra
-    )
+    info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=label_names + extra)
     by_field = {
         f.key: GaugeMetricFamily(f.dcgm_name if dcgm else f.prom_name, f.help, labels=label_names)
         for f in FIELDS
@@ -103,8 +138,12 @@ def build_families(
             gpu.serial or "",
         ]
         info.add_metric(
-            [*values, gpu.chassis_serial or "", str(gpu.module_id or ""),
-             inventory.driver_version or ""],
+            [
+                *values,
+                gpu.chassis_serial or "",
+                str(gpu.module_id or ""),
+                inventory.driver_version or "",
+            ],
             1,
         )
         sample = samples.get(gpu.uuid)
@@ -129,7 +168,10 @@ def render(
 ) -> RenderedMetrics:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(build_families(inventory, samples, naming)))
-    return RenderedMetrics(text=generate_latest(registry), openmetrics=generate_openmetrics(registry))
+    return RenderedMetrics(
+        text=generate_latest(registry),
+        openmetrics=openmetrics.generate_latest(registry),  # type: ignore[no-untyped-call]
+    )
 
 
 EMPTY = RenderedMetrics(text=b"", openmetrics=b"# EOF\n")

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -73,7 +73,7 @@ def reading_records(
     *,
     source: str,
     reason: str,
-    changed: dict[str, str] | None = None,
+    changed: Mapping[str, str] | None = None,
     removed: Iterable[GpuIdentity] = (),
 ) -> list[Record]:
     """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pynvml
 
@@ -68,9 +68,9 @@ class NvmlReader:
         self._warned: set[tuple[int, str]] = set()
         self.errors = 0
 
-    def _field(self, index: int, name: str, call: Callable[[], T]) -> T | None:
+    def _field(self, index: int, name: str, call: Callable[..., T], *args: Any) -> T | None:
         try:
-            return call()
+            return call(*args)
         except pynvml.NVMLError as exc:
             code = getattr(exc, "value", None)
             if code in LOST_CODES:
@@ -92,20 +92,20 @@ class NvmlReader:
 
     def read_identity(self, index: int, handle: Handle) -> GpuIdentity:
         api = self.api
-        uuid = self._field(index, "uuid", lambda: api.uuid(handle))
-        mig_mode = self._field(index, "mig_mode", lambda: api.mig_mode(handle))
+        uuid = self._field(index, "uuid", api.uuid, handle)
+        mig_mode = self._field(index, "mig_mode", api.mig_mode, handle)
         return GpuIdentity(
             index=index,
             uuid=uuid or f"unknown-gpu-{index}",
-            serial=self._clean(self._field(index, "serial", lambda: api.serial(handle))),
-            name=self._clean(self._field(index, "name", lambda: api.name(handle))),
-            pci_bus_id=self._field(index, "pci_bus_id", lambda: api.pci_bus_id(handle)),
-            minor_number=self._field(index, "minor_number", lambda: api.minor_number(handle)),
-            module_id=self._field(index, "module_id", lambda: api.module_id(handle)),
+            serial=self._clean(self._field(index, "serial", api.serial, handle)),
+            name=self._clean(self._field(index, "name", api.name, handle)),
+            pci_bus_id=self._field(index, "pci_bus_id", api.pci_bus_id, handle),
+            minor_number=self._field(index, "minor_number", api.minor_number, handle),
+            module_id=self._field(index, "module_id", api.module_id, handle),
             board_part_number=self._clean(
-                self._field(index, "board_part_number", lambda: api.board_part_number(handle))
+                self._field(index, "board_part_number", api.board_part_number, handle)
             ),
-            platform=self._field(index, "platform_info", lambda: api.platform_info(handle)),
+            platform=self._field(index, "platform_info", api.platform_info, handle),
             mig_enabled=None if mig_mode is None else mig_mode == 1,
             mig_devices=self._mig_devices(index, handle) if mig_mode == 1 else (),
         )
@@ -119,27 +119,25 @@ class NvmlReader:
 
     def _mig_devices(self, index: int, handle: Handle) -> tuple[MigDevice, ...]:
         api = self.api
-        count = self._field(index, "mig_count", lambda: api.max_mig_device_count(handle)) or 0
+        count = self._field(index, "mig_count", api.max_mig_device_count, handle) or 0
         devices = []
         for mig_index in range(count):
             try:
                 mig = api.mig_device_handle(handle, mig_index)
             except pynvml.NVMLError:
                 continue  # slot without a configured instance
-            uuid = self._field(index, "mig_uuid", lambda m=mig: api.uuid(m))
+            uuid = self._field(index, "mig_uuid", api.uuid, mig)
             if not uuid:
                 continue
-            name = self._field(index, "mig_name", lambda m=mig: api.name(m))
+            name = self._field(index, "mig_name", api.name, mig)
             match = _MIG_PROFILE.search(name or "")
             devices.append(
                 MigDevice(
                     index=mig_index,
                     uuid=uuid,
-                    gpu_instance_id=self._field(
-                        index, "gpu_instance_id", lambda m=mig: api.gpu_instance_id(m)
-                    ),
+                    gpu_instance_id=self._field(index, "gpu_instance_id", api.gpu_instance_id, mig),
                     compute_instance_id=self._field(
-                        index, "compute_instance_id", lambda m=mig: api.compute_instance_id(m)
+                        index, "compute_instance_id", api.compute_instance_id, mig
                     ),
                     profile=match.group(1) if match else None,
                 )
@@ -149,19 +147,19 @@ class NvmlReader:
     def read_sample(self, index: int, uuid: str, handle: Handle) -> GpuSample:
         api = self.api
         values: dict[str, float] = {}
-        util = self._field(index, "utilization", lambda: api.utilization(handle))
+        util = self._field(index, "utilization", api.utilization, handle)
         if util is not None:
             values["gpu_util"], values["mem_copy_util"] = float(util[0]), float(util[1])
-        mem = self._field(index, "memory", lambda: api.memory_info(handle))
+        mem = self._field(index, "memory", api.memory_info, handle)
         if mem is not None:
             total, used, free = mem
             values["memory_total_bytes"] = float(total)
             values["memory_used_bytes"] = float(used)
             values["memory_free_bytes"] = float(free)
-        temp = self._field(index, "temperature", lambda: api.temperature(handle))
+        temp = self._field(index, "temperature", api.temperature, handle)
         if temp is not None:
             values["temperature_celsius"] = float(temp)
-        power = self._field(index, "power", lambda: api.power_usage_mw(handle))
+        power = self._field(index, "power", api.power_usage_mw, handle)
         if power is not None:
             values["power_watts"] = power / 1000.0
         return GpuSample(uuid=uuid, values=MappingProxyType(values))
