@@ -1,4 +1,4 @@
-"""Project automation: `nox -s tests`, `nox -s lint`, `nox -s bench`."""
+"""Project automation: `nox -s tests`, `nox -s lint`, `nox -s bench`, `nox -s proto`."""
 
 from __future__ import annotations
 
@@ -30,3 +30,26 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; prints a table. Not a test: figures vary with the machine."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+PROTO = "gpuid_agent/sources/podresources/v1/api.proto"
+GRPC_TOOLS = "grpcio-tools==1.85.1"  # keep in step with the grpcio/protobuf floors
+
+
+@nox.session
+def proto(session: nox.Session) -> None:
+    """Regenerate the kubelet pod-resources stubs (api_pb2.py, .pyi, api_pb2_grpc.py).
+
+    Run from the repository root with `-I.` so the generated modules import each other by
+    their package path and work from an installed wheel."""
+    session.install(GRPC_TOOLS)
+    session.run(
+        "python",
+        "-m",
+        "grpc_tools.protoc",
+        "-I.",
+        "--python_out=.",
+        "--pyi_out=.",
+        "--grpc_python_out=.",
+        PROTO,
+    )

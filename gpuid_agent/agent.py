@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -14,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from gpuid_agent import __version__, log
+from gpuid_agent.attribution.service import Attributor
 from gpuid_agent.config import Settings
 from gpuid_agent.errors import NvmlUnavailableError
 from gpuid_agent.inventory import build_inventory
@@ -21,12 +24,18 @@ from gpuid_agent.metrics import AgentMetrics
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.server import build_app
 from gpuid_agent.sinks import gpu_metrics
+from gpuid_agent.sinks.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.sinks.exporters.base import Exporter
 from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
 from gpuid_agent.sources.machine import local_machine_id
 from gpuid_agent.sources.nvml import NvmlSource
 from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.podresources import (
+    PodResourcesClient,
+    PodResourcesSource,
+    ResourceMatcher,
+)
 from gpuid_agent.status import StatusBoard
 from gpuid_agent.supervisor import Supervisor
 
@@ -91,6 +100,7 @@ class Agent:
             publish=self.pipeline.publish,
         )
         self.machine, self.machine_source = self._machine_identity()
+        self._init_attribution(source)
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self._rendered = gpu_metrics.EMPTY
@@ -100,6 +110,69 @@ class Agent:
         self.board.set("nvml", "starting")
         for worker in self.pipeline.workers:
             self.board.set(f"exporter:{worker.name}", "ok")
+
+    def _init_attribution(self, source: str) -> None:
+        settings = self.settings
+        self._sim_dir: str | None = None
+        self._sim_kubelet: Any = None
+        socket_path = settings.pod_resources_socket
+        if settings.simulate:
+            self._sim_dir = tempfile.mkdtemp(prefix="gpuid-kubelet-")
+            socket_path = os.path.join(self._sim_dir, "kubelet.sock")
+        self.pod_resources = PodResourcesSource(
+            PodResourcesClient(socket_path, timeout=settings.pod_resources_timeout),
+            interval=settings.pod_resources_interval,
+            stale_after=settings.pod_resources_stale_after,
+            resources=ResourceMatcher(settings.gpu_resource_names),
+            board=self.board,
+            registry=self.registry,
+        )
+        self.attributor = Attributor(
+            self.pod_resources,
+            label_allowlist=settings.pod_label_allowlist,
+            registry=self.registry,
+        )
+        self.render_options = gpu_metrics.RenderOptions(
+            workload_labels=False,
+            pod_labels=gpu_metrics.pod_label_columns(settings.pod_label_allowlist),
+        )
+        self.trail = AllocationTrail(
+            TrailIdentity(settings.cluster_name, self.node, self.machine, source),
+            publish=self.pipeline.publish,
+            state_dir=settings.state_dir,
+        )
+
+    def _refresh_attribution(self) -> None:
+        """Re-attribute and re-render /gpu/metrics; the trail gets the mapping once pod
+        metadata is in, so allocation ids carry the pod UID from the first record."""
+        attribution = self.attributor.refresh(self.inventory)
+        if self.inventory is None:
+            return
+        self._rendered = gpu_metrics.render(
+            self.inventory,
+            self.samples,
+            self.settings.metrics_naming,
+            attribution,
+            self.render_options,
+        )
+        if self.attributor.pods_ready:
+            self.trail.offer(attribution, self.inventory)
+
+    async def _attribution_loop(self) -> None:
+        while True:
+            await self.attributor.wait_changed()
+            self._refresh_attribution()
+
+    async def _start_simulated_kubelet(self) -> None:
+        from gpuid_agent.simulate.kubelet import FakeKubelet, simulated_pods
+        from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+
+        api = self.nvml.reader.api
+        if not isinstance(api, SimulatedNvml):
+            return
+        pods, allocatable = simulated_pods(api.gpus)
+        self._sim_kubelet = FakeKubelet(self.pod_resources.client.socket_path, pods, allocatable)
+        await self._sim_kubelet.start()
 
     def _machine_identity(self) -> tuple[str, str]:
         if self.settings.simulate:
@@ -141,9 +214,7 @@ class Agent:
         )
         self.inventory = inventory
         self.samples = reading.samples
-        self._rendered = gpu_metrics.render(
-            inventory, reading.samples, self.settings.metrics_naming
-        )
+        self._refresh_attribution()
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:
@@ -217,6 +288,7 @@ class Agent:
                 "chassis": inventory.chassis_serials,
                 "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
             },
+            "attribution": {**self.attributor.status(), "trail": self.trail.status()},
             "exporters": [
                 {
                     "name": w.name,
@@ -246,9 +318,14 @@ class Agent:
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.settings.server_port
+        if self._sim_dir is not None:
+            await self._start_simulated_kubelet()
         for worker in self.pipeline.workers:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
+        self.supervisor.spawn("allocations", self.trail.run())
+        self.supervisor.spawn("pod-resources", self.pod_resources.run())
+        self.supervisor.spawn("attribution", self._attribution_loop())
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(
             "agent started",
@@ -265,10 +342,12 @@ class Agent:
         """Stop collecting, flush what is queued within the grace period, release everything."""
         grace = self.settings.shutdown_grace
         deadline = time.monotonic() + grace
-        await self.supervisor.stop("collector")
+        await self.supervisor.stop("collector", "pod-resources", "attribution")
         self.emitter.stop()
-        if not await self.supervisor.wait("emitter", max(0.0, deadline - time.monotonic())):
-            await self.supervisor.stop("emitter")
+        self.trail.stop()
+        for name in ("emitter", "allocations"):
+            if not await self.supervisor.wait(name, max(0.0, deadline - time.monotonic())):
+                await self.supervisor.stop(name)
         for worker in self.pipeline.workers:
             worker.close_intake()
         names = [f"exporter:{w.name}" for w in self.pipeline.workers]
@@ -282,9 +361,17 @@ class Agent:
         for worker in self.pipeline.workers:
             await worker.exporter.close()
         await self.nvml.close()
+        await self.pod_resources.client.close()
+        await self._stop_simulated_kubelet()
         if self._runner is not None:
             await self._runner.cleanup()
         _log.info("agent stopped")
+
+    async def _stop_simulated_kubelet(self) -> None:
+        if self._sim_kubelet is not None:
+            await self._sim_kubelet.stop()
+        if self._sim_dir is not None:
+            shutil.rmtree(self._sim_dir, ignore_errors=True)
 
 
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:

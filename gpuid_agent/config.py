@@ -179,6 +179,15 @@ class Settings(BaseSettings):
         "/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet pod-resources socket."
     )
     pod_resources_interval: PositiveDuration = Field(2.0, description="pod-resources poll period.")
+    pod_resources_timeout: PositiveDuration = Field(
+        5.0, description="Deadline of one kubelet pod-resources call."
+    )
+    pod_resources_stale_after: PositiveDuration = Field(
+        60.0, description="Serve the last good pod mapping this long while the kubelet is down."
+    )
+    state_dir: str = Field(
+        "", description="Directory for small state kept across restarts (open allocations)."
+    )
     gpu_resource_names: CommaList = Field(
         default_factory=list, description="Extra resource names that carry GPUs."
     )

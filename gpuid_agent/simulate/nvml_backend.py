@@ -140,3 +140,48 @@ class SimulatedNvml:
     def power_usage_mw(self, handle: Any) -> int:
         gpu = self._gpu(handle)
         return 90_000 + round(600_000 * self._wave(gpu, 30.0))
+
+    def _whole_gpu(self, handle: Any) -> SimGpu:
+        """A GPU without MIG: per-engine counters are not reported on MIG-enabled GPUs."""
+        gpu = self._gpu(handle)
+        if gpu.mig:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def encoder_utilization(self, handle: Any) -> int:
+        return round(20 * self._wave(self._whole_gpu(handle), 45.0))
+
+    def decoder_utilization(self, handle: Any) -> int:
+        return round(10 * self._wave(self._whole_gpu(handle), 50.0))
+
+    def total_energy_mj(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        # ≈ the integral of power_usage_mw's average draw, growing from a per-GPU offset
+        return 10**9 * (gpu.minor_number + 1) + round(390 * (time.monotonic() - self._t0) * 1000)
+
+    def clock_mhz(self, handle: Any, clock: int) -> int:
+        gpu = self._gpu(handle)
+        if clock == pynvml.NVML_CLOCK_SM:
+            return 345 + round(1635 * self._wave(gpu, 30.0))
+        if clock == pynvml.NVML_CLOCK_MEM:
+            return 2619
+        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def pcie_replay_count(self, handle: Any) -> int:
+        self._gpu(handle)
+        return 0
+
+    def ecc_errors(self, handle: Any, error_type: int, counter_type: int) -> int:
+        gpu = self._gpu(handle)
+        corrected = error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        aggregate = counter_type == pynvml.NVML_AGGREGATE_ECC
+        return (gpu.minor_number % 3) * (4 if aggregate else 1) if corrected else 0
+
+    def remapped_rows(self, handle: Any) -> tuple[int, int, int, int]:
+        gpu = self._gpu(handle)
+        return gpu.minor_number % 2, 0, 0, 0
+
+    def clock_event_reasons(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        idle, sw_power_cap = 0x1, 0x4
+        return idle if self._wave(gpu, 30.0) < 0.2 else sw_power_cap

@@ -3,20 +3,28 @@
 A scrape only hands out the last rendered bytes; it never calls NVML, the kubelet or the API.
 Two namings: Prometheus conventions (default) and dcgm-exporter's field and label names, so
 existing dashboards keep working.
+
+Pods: every series of a GPU is repeated once per container holding it (namespace, pod,
+container labels), so a GPU time-shared by three pods shows up under each of them; a GPU that
+nobody holds has one series with empty pod labels. `gpuid_gpu_holders` says how many holders a
+GPU has, to divide by when summing over pods. MIG devices get their own series (GPU_I_ID,
+GPU_I_PROFILE) with their own holders; the parent GPU's series carry no pod.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
-from gpuid_agent.model import GpuSample, NodeInventory
+from gpuid_agent.attribution import Attribution, Holder
+from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
 
 Naming = Literal["prometheus", "dcgm"]
 MIB = 1024 * 1024
@@ -30,6 +38,9 @@ class FieldSpec:
     dcgm_name: str
     dcgm_scale: float
     help: str
+    # Prometheus naming exposes a counter (prom_name ends in _total); dcgm naming keeps the
+    # bare dcgm name, so it is exposed as a gauge there (rate() works on either).
+    counter: bool = False
 
 
 # Sample keys (from the NVML source) → exposed names. Prometheus naming uses base units
@@ -86,6 +97,132 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "power_watts", "gpuid_gpu_power_watts", 1, "DCGM_FI_DEV_POWER_USAGE", 1, "Power draw."
     ),
+    FieldSpec(
+        "enc_util",
+        "gpuid_gpu_encoder_utilization_ratio",
+        0.01,
+        "DCGM_FI_DEV_ENC_UTIL",
+        1,
+        "Encoder utilization.",
+    ),
+    FieldSpec(
+        "dec_util",
+        "gpuid_gpu_decoder_utilization_ratio",
+        0.01,
+        "DCGM_FI_DEV_DEC_UTIL",
+        1,
+        "Decoder utilization.",
+    ),
+    FieldSpec(
+        "energy_mj",
+        "gpuid_gpu_energy_joules_total",
+        0.001,
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        1,
+        "Energy used since the driver loaded (dcgm naming: millijoules).",
+        counter=True,
+    ),
+    FieldSpec(
+        "sm_clock_mhz",
+        "gpuid_gpu_sm_clock_hertz",
+        1e6,
+        "DCGM_FI_DEV_SM_CLOCK",
+        1,
+        "SM clock (dcgm naming: MHz).",
+    ),
+    FieldSpec(
+        "mem_clock_mhz",
+        "gpuid_gpu_memory_clock_hertz",
+        1e6,
+        "DCGM_FI_DEV_MEM_CLOCK",
+        1,
+        "Memory clock (dcgm naming: MHz).",
+    ),
+    FieldSpec(
+        "pcie_replay",
+        "gpuid_gpu_pcie_replays_total",
+        1,
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+        1,
+        "PCIe replays.",
+        counter=True,
+    ),
+    FieldSpec(
+        "ecc_sbe_volatile",
+        "gpuid_gpu_ecc_corrected_volatile_errors_total",
+        1,
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+        1,
+        "Corrected ECC errors since the driver loaded.",
+        counter=True,
+    ),
+    FieldSpec(
+        "ecc_dbe_volatile",
+        "gpuid_gpu_ecc_uncorrected_volatile_errors_total",
+        1,
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        1,
+        "Uncorrected ECC errors since the driver loaded.",
+        counter=True,
+    ),
+    FieldSpec(
+        "ecc_sbe_aggregate",
+        "gpuid_gpu_ecc_corrected_aggregate_errors_total",
+        1,
+        "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+        1,
+        "Corrected ECC errors over the GPU's life.",
+        counter=True,
+    ),
+    FieldSpec(
+        "ecc_dbe_aggregate",
+        "gpuid_gpu_ecc_uncorrected_aggregate_errors_total",
+        1,
+        "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+        1,
+        "Uncorrected ECC errors over the GPU's life.",
+        counter=True,
+    ),
+    FieldSpec(
+        "remapped_rows_correctable",
+        "gpuid_gpu_remapped_rows_correctable",
+        1,
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        1,
+        "Rows remapped for correctable errors.",
+    ),
+    FieldSpec(
+        "remapped_rows_uncorrectable",
+        "gpuid_gpu_remapped_rows_uncorrectable",
+        1,
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        1,
+        "Rows remapped for uncorrectable errors.",
+    ),
+    FieldSpec(
+        "row_remap_pending",
+        "gpuid_gpu_row_remap_pending",
+        1,
+        "DCGM_FI_DEV_ROW_REMAP_PENDING",
+        1,
+        "1 when a row remap waits for a GPU reset.",
+    ),
+    FieldSpec(
+        "row_remap_failure",
+        "gpuid_gpu_row_remap_failure",
+        1,
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+        1,
+        "1 when a row remap failed.",
+    ),
+    FieldSpec(
+        "clock_event_reasons",
+        "gpuid_gpu_clock_event_reasons",
+        1,
+        "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+        1,
+        "Bitmask of why clocks are held down (nvmlClocksEventReasons).",
+    ),
 )
 
 # Identity labels: (prometheus name, dcgm name)
@@ -98,13 +235,51 @@ LABELS: tuple[tuple[str, str], ...] = (
     ("hostname", "Hostname"),
     ("serial", "serial"),
 )
+MIG_LABELS: tuple[tuple[str, str], ...] = (
+    ("gpu_instance_id", "GPU_I_ID"),
+    ("gpu_instance_profile", "GPU_I_PROFILE"),
+)
+HOLDER_LABELS: tuple[tuple[str, str], ...] = (
+    ("namespace", "namespace"),
+    ("pod", "pod"),
+    ("container", "container"),
+)
+WORKLOAD_LABELS: tuple[tuple[str, str], ...] = (
+    ("workload_kind", "workload_kind"),
+    ("workload_name", "workload_name"),
+)
+HOLDERS_METRIC = "gpuid_gpu_holders"
+_LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
+
+
+def pod_label_name(key: str) -> str:
+    """Prometheus label name for a Kubernetes pod label key (`app.kubernetes.io/name` →
+    `label_app_kubernetes_io_name`, as kube-state-metrics names them)."""
+    return "label_" + _LABEL_CHAR.sub("_", key)
+
+
+def pod_label_columns(allowlist: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """(pod label key, label name) per allowed key; a key whose name collides with an earlier
+    key's is dropped rather than merged."""
+    columns: dict[str, str] = {}
+    for key in allowlist:
+        columns.setdefault(pod_label_name(key), key)
+    return tuple((key, name) for name, key in columns.items())
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """What the pod part of the label set holds, fixed for the life of the agent."""
+
+    workload_labels: bool = False
+    pod_labels: tuple[tuple[str, str], ...] = ()  # from pod_label_columns()
 
 
 def metric_names(naming: Naming) -> list[str]:
     """Every metric family /gpu/metrics can expose under a naming."""
     info = "gpuid_gpu_info" if naming == "prometheus" else "DCGM_FI_DEV_INFO"
     names = [f.prom_name if naming == "prometheus" else f.dcgm_name for f in FIELDS]
-    return [info, *names]
+    return [info, HOLDERS_METRIC, *names]
 
 
 class _Families(Collector):
@@ -115,18 +290,77 @@ class _Families(Collector):
         return iter(self._families)
 
 
+def _text(value: str) -> str:
+    """A label value that always encodes (API strings may carry lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+def _holder_values(holder: Holder | None, options: RenderOptions) -> list[str]:
+    width = len(HOLDER_LABELS) + (len(WORKLOAD_LABELS) if options.workload_labels else 0)
+    if holder is None:
+        return [""] * (width + len(options.pod_labels))
+    values = [holder.namespace, holder.pod, holder.container]
+    if options.workload_labels:
+        values += [holder.workload_kind, holder.workload_name]
+    labels = dict(holder.labels)
+    values += [labels.get(key, "") for key, _ in options.pod_labels]
+    return [_text(v) for v in values]
+
+
+def _family(
+    spec: FieldSpec, dcgm: bool, labels: list[str]
+) -> GaugeMetricFamily | CounterMetricFamily:
+    if dcgm:
+        return GaugeMetricFamily(spec.dcgm_name, spec.help, labels=labels)
+    if spec.counter:
+        return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
+    return GaugeMetricFamily(spec.prom_name, spec.help, labels=labels)
+
+
+def _rows(
+    gpu: GpuIdentity, attribution: Attribution
+) -> Iterator[tuple[str, list[str], tuple[Holder, ...]]]:
+    """(sample UUID, MIG label values, holders) per series group of one GPU."""
+    if not gpu.mig_devices:
+        yield gpu.uuid, ["", ""], attribution.holders(gpu.uuid)
+        return
+    yield gpu.uuid, ["", ""], ()
+    for mig in gpu.mig_devices:
+        gi = "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id)
+        yield mig.uuid, [gi, mig.profile or ""], attribution.holders(mig.uuid)
+
+
 def build_families(
-    inventory: NodeInventory, samples: Mapping[str, GpuSample], naming: Naming
+    inventory: NodeInventory,
+    samples: Mapping[str, GpuSample],
+    naming: Naming,
+    attribution: Attribution | None = None,
+    options: RenderOptions | None = None,
 ) -> list[Metric]:
     dcgm = naming == "dcgm"
-    label_names = [d if dcgm else p for p, d in LABELS]
+    options = options or RenderOptions()
+    attribution = attribution or Attribution("unavailable")
+    identity_names = [d if dcgm else p for p, d in LABELS]
+    mig_names = [d if dcgm else p for p, d in MIG_LABELS]
+    holder_names = [d if dcgm else p for p, d in HOLDER_LABELS]
+    if options.workload_labels:
+        holder_names += [d if dcgm else p for p, d in WORKLOAD_LABELS]
+    holder_names += [name for _, name in options.pod_labels]
+    label_names = identity_names + mig_names + holder_names
     info_name = "DCGM_FI_DEV_INFO" if dcgm else "gpuid_gpu_info"
     extra = ["chassis", "module_id", "driver_version"]
-    info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=label_names + extra)
-    by_field = {
-        f.key: GaugeMetricFamily(f.dcgm_name if dcgm else f.prom_name, f.help, labels=label_names)
-        for f in FIELDS
-    }
+    info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=identity_names + extra)
+    holders_family = GaugeMetricFamily(
+        HOLDERS_METRIC,
+        "Containers holding the GPU or MIG device (time-slicing/MPS: more than one).",
+        labels=identity_names + mig_names,
+    )
+    by_field = {f.key: _family(f, dcgm, label_names) for f in FIELDS}
+    empty_holder = _holder_values(None, options)
     for gpu in inventory.gpus:
         values = [
             str(gpu.index),
@@ -146,15 +380,24 @@ def build_families(
             ],
             1,
         )
-        sample = samples.get(gpu.uuid)
-        if sample is None:
-            continue
-        for spec in FIELDS:
-            value = sample.values.get(spec.key)
-            if value is not None:
-                scale = spec.dcgm_scale if dcgm else spec.prom_scale
-                by_field[spec.key].add_metric(values, value * scale)
-    return [info, *(f for f in by_field.values() if f.samples)]
+        for uuid, mig_values, holders in _rows(gpu, attribution):
+            if uuid != gpu.uuid or not gpu.mig_devices:
+                holders_family.add_metric([*values, *mig_values], len(holders))
+            sample = samples.get(uuid)
+            if sample is None:
+                continue
+            series = [[*values, *mig_values, *_holder_values(h, options)] for h in holders] or [
+                [*values, *mig_values, *empty_holder]
+            ]
+            for spec in FIELDS:
+                value = sample.values.get(spec.key)
+                if value is None:
+                    continue
+                scaled = value * (spec.dcgm_scale if dcgm else spec.prom_scale)
+                family = by_field[spec.key]
+                for labels in series:
+                    family.add_metric(labels, scaled)
+    return [info, holders_family, *(f for f in by_field.values() if f.samples)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +407,14 @@ class RenderedMetrics:
 
 
 def render(
-    inventory: NodeInventory, samples: Mapping[str, GpuSample], naming: Naming
+    inventory: NodeInventory,
+    samples: Mapping[str, GpuSample],
+    naming: Naming,
+    attribution: Attribution | None = None,
+    options: RenderOptions | None = None,
 ) -> RenderedMetrics:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(build_families(inventory, samples, naming)))
+    registry.register(_Families(build_families(inventory, samples, naming, attribution, options)))
     return RenderedMetrics(
         text=generate_latest(registry),
         openmetrics=openmetrics.generate_latest(registry),  # type: ignore[no-untyped-call]

@@ -34,6 +34,23 @@ _ABSENT = (
     pynvml.NVML_ERROR_NO_DATA,
 )
 LOST_CODES = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED)
+_CORRECTED, _UNCORRECTED = (
+    pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+    pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+)
+# sample key, error type, counter type (volatile: since the driver loaded; aggregate: lifetime)
+_ECC_FIELDS = (
+    ("ecc_sbe_volatile", _CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("ecc_dbe_volatile", _UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("ecc_sbe_aggregate", _CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    ("ecc_dbe_aggregate", _UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+)
+_REMAP_KEYS = (
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "row_remap_pending",
+    "row_remap_failure",
+)
 _MIG_PROFILE = re.compile(r"\bMIG\s+(\S+)\s*$")
 
 
@@ -162,7 +179,46 @@ class NvmlReader:
         power = self._field(index, "power", api.power_usage_mw, handle)
         if power is not None:
             values["power_watts"] = power / 1000.0
+        self._read_telemetry(index, handle, values)
         return GpuSample(uuid=uuid, values=MappingProxyType(values))
+
+    def _read_telemetry(self, index: int, handle: Handle, values: dict[str, float]) -> None:
+        """The dcgm-exporter default fields beyond the basics; each absent where unsupported."""
+        api = self.api
+        single: tuple[tuple[str, Callable[..., int], tuple[Any, ...]], ...] = (
+            ("enc_util", api.encoder_utilization, ()),
+            ("dec_util", api.decoder_utilization, ()),
+            ("energy_mj", api.total_energy_mj, ()),
+            ("sm_clock_mhz", api.clock_mhz, (pynvml.NVML_CLOCK_SM,)),
+            ("mem_clock_mhz", api.clock_mhz, (pynvml.NVML_CLOCK_MEM,)),
+            ("pcie_replay", api.pcie_replay_count, ()),
+            ("clock_event_reasons", api.clock_event_reasons, ()),
+        )
+        for key, call, args in single:
+            value = self._field(index, key, call, handle, *args)
+            if value is not None:
+                values[key] = float(value)
+        for key, error_type, counter_type in _ECC_FIELDS:
+            count = self._field(index, key, api.ecc_errors, handle, error_type, counter_type)
+            if count is not None:
+                values[key] = float(count)
+        rows = self._field(index, "remapped_rows", api.remapped_rows, handle)
+        if rows is not None:
+            values.update(zip(_REMAP_KEYS, map(float, rows), strict=True))
+
+    def read_mig_sample(self, index: int, mig: MigDevice, handle: Handle) -> GpuSample | None:
+        """Memory of one MIG device (NVML has no per-instance utilization)."""
+        mig_handle = self._field(index, "mig_handle", self.api.mig_device_handle, handle, mig.index)
+        if mig_handle is None:
+            return None
+        values: dict[str, float] = {}
+        mem = self._field(index, "mig_memory", self.api.memory_info, mig_handle)
+        if mem is not None:
+            total, used, free = mem
+            values["memory_total_bytes"] = float(total)
+            values["memory_used_bytes"] = float(used)
+            values["memory_free_bytes"] = float(free)
+        return GpuSample(uuid=mig.uuid, values=MappingProxyType(values))
 
     def read(self, previous: dict[int, GpuIdentity]) -> NvmlReading:
         api = self.api
@@ -181,6 +237,9 @@ class NvmlReader:
                 handle = api.handle_by_index(index)
                 gpu = self.read_identity(index, handle)
                 reading.samples[gpu.uuid] = self.read_sample(index, gpu.uuid, handle)
+                for mig in gpu.mig_devices:
+                    if (mig_sample := self.read_mig_sample(index, mig, handle)) is not None:
+                        reading.samples[mig.uuid] = mig_sample
             except (GpuLostError, pynvml.NVMLError) as exc:
                 reading.lost[index] = str(exc)
                 self._warn_once(index, "lost", f"GPU {index} unreadable: {exc}")

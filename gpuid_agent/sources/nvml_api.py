@@ -47,6 +47,14 @@ class NvmlApi(Protocol):
     def memory_info(self, handle: Handle) -> tuple[int, int, int]: ...
     def temperature(self, handle: Handle) -> int: ...
     def power_usage_mw(self, handle: Handle) -> int: ...
+    def encoder_utilization(self, handle: Handle) -> int: ...
+    def decoder_utilization(self, handle: Handle) -> int: ...
+    def total_energy_mj(self, handle: Handle) -> int: ...
+    def clock_mhz(self, handle: Handle, clock: int) -> int: ...
+    def pcie_replay_count(self, handle: Handle) -> int: ...
+    def ecc_errors(self, handle: Handle, error_type: int, counter_type: int) -> int: ...
+    def remapped_rows(self, handle: Handle) -> tuple[int, int, int, int]: ...
+    def clock_event_reasons(self, handle: Handle) -> int: ...
 
 
 def _text(raw: bytes) -> str | None:
@@ -197,3 +205,31 @@ class PynvmlApi:
 
     def power_usage_mw(self, handle: Handle) -> int:
         return int(pynvml.nvmlDeviceGetPowerUsage(handle))
+
+    def encoder_utilization(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetEncoderUtilization(handle)[0])
+
+    def decoder_utilization(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetDecoderUtilization(handle)[0])
+
+    def total_energy_mj(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+    def clock_mhz(self, handle: Handle, clock: int) -> int:
+        return int(pynvml.nvmlDeviceGetClockInfo(handle, clock))
+
+    def pcie_replay_count(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetPcieReplayCounter(handle))
+
+    def ecc_errors(self, handle: Handle, error_type: int, counter_type: int) -> int:
+        return int(pynvml.nvmlDeviceGetTotalEccErrors(handle, error_type, counter_type))
+
+    def remapped_rows(self, handle: Handle) -> tuple[int, int, int, int]:
+        corr, unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(handle)
+        return int(corr), int(unc), int(pending), int(failure)
+
+    def clock_event_reasons(self, handle: Handle) -> int:
+        try:
+            return int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        except pynvml.NVMLError_FunctionNotFound:  # drivers before 535 only have the old name
+            return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))

@@ -1,0 +1,23 @@
+"""Which containers hold which GPUs: kubelet device ids mapped onto the NVML inventory."""
+
+from gpuid_agent.attribution.mapping import (
+    UNAVAILABLE,
+    Allocation,
+    Attribution,
+    DeviceIndex,
+    Holder,
+    Unmapped,
+    attribute,
+    make_holder,
+)
+
+__all__ = [
+    "UNAVAILABLE",
+    "Allocation",
+    "Attribution",
+    "DeviceIndex",
+    "Holder",
+    "Unmapped",
+    "attribute",
+    "make_holder",
+]

@@ -1,0 +1,208 @@
+"""Kubelet device ids mapped onto the NVML inventory: who holds which GPU.
+
+Pure functions over snapshots. A GPU shared through time-slicing or MPS (`GPU-…::N`, GKE
+`/vgpuN`) is held by every container that has one of its replicas; a MIG device is held by
+the containers that have it, and its parent GPU is not itself held. Device ids that fit no
+known form, or name a GPU this node does not have, are collected in `unmapped`, never fatal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
+from gpuid_agent.sources.podresources import (
+    DeviceAssignment,
+    DeviceIdError,
+    DeviceRef,
+    PodResourcesSnapshot,
+    parse_device_id,
+)
+from gpuid_agent.sources.pods import PodMeta
+
+AttributionState = Literal["current", "pending", "unavailable"]
+PodLookup = Callable[[str, str], PodMeta | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A container holding a GPU or MIG device, with what the API added (empty without it)."""
+
+    namespace: str
+    pod: str
+    container: str
+    pod_uid: str = ""
+    workload_kind: str = ""
+    workload_name: str = ""
+    labels: tuple[tuple[str, str], ...] = ()  # allowed pod labels, in allow-list order
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One device id of one container, mapped to a GPU (and MIG device) of this node."""
+
+    holder: Holder
+    resource_name: str
+    device_id: str
+    gpu_uuid: str
+    mig_uuid: str | None = None
+    replica: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unmapped:
+    """A device id that could not be attributed, and why (a short, stable reason)."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource_name: str
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    state: AttributionState
+    allocations: tuple[Allocation, ...] = ()
+    unmapped: tuple[Unmapped, ...] = ()
+    # GPU or MIG UUID → its distinct holders (one per container, even with several replicas)
+    by_device: Mapping[str, tuple[Holder, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def holders(self, device_uuid: str) -> tuple[Holder, ...]:
+        return self.by_device.get(device_uuid, ())
+
+
+UNAVAILABLE = Attribution("unavailable")
+
+
+class DeviceIndex:
+    """Lookups from every device-id form to (GPU, MIG device) of one inventory."""
+
+    def __init__(self, inventory: NodeInventory) -> None:
+        self.by_uuid: dict[str, GpuIdentity] = {}
+        self.by_index: dict[int, GpuIdentity] = {}
+        self.by_device: dict[str, GpuIdentity] = {}
+        self.mig_by_uuid: dict[str, tuple[GpuIdentity, MigDevice]] = {}
+        for gpu in inventory.gpus:
+            self.by_uuid[gpu.uuid.lower()] = gpu
+            self.by_index[gpu.index] = gpu
+            self.by_device[gpu.device] = gpu
+            for mig in gpu.mig_devices:
+                self.mig_by_uuid[mig.uuid.lower()] = (gpu, mig)
+
+    def resolve(self, ref: DeviceRef) -> tuple[GpuIdentity, MigDevice | None]:
+        """The GPU (and MIG device) a parsed id names; DeviceIdError when this node has none."""
+        if ref.form == "mig_uuid":
+            found = self.mig_by_uuid.get((ref.mig_uuid or "").lower())
+            if found is None:
+                raise DeviceIdError("unknown_mig", f"no MIG device {ref.mig_uuid} on this node")
+            return found
+        gpu = self._gpu(ref)
+        if not ref.is_mig:
+            return gpu, None
+        for mig in gpu.mig_devices:
+            if ref.mig_index is not None and mig.index == ref.mig_index:
+                return gpu, mig
+            if (
+                ref.mig_index is None
+                and mig.gpu_instance_id == ref.gpu_instance_id
+                and ref.compute_instance_id in (None, mig.compute_instance_id)
+            ):
+                return gpu, mig
+        raise DeviceIdError("unknown_mig", f"no such MIG device on GPU {gpu.index}")
+
+    def _gpu(self, ref: DeviceRef) -> GpuIdentity:
+        gpu: GpuIdentity | None = None
+        if ref.gpu_uuid is not None:
+            gpu = self.by_uuid.get(ref.gpu_uuid.lower())
+        elif ref.gpu_index is not None:
+            gpu = self.by_index.get(ref.gpu_index)
+        elif ref.gpu_minor is not None:
+            gpu = self.by_device.get(f"nvidia{ref.gpu_minor}")
+        if gpu is None:
+            raise DeviceIdError("unknown_gpu", f"device id {ref.device_id} names no GPU here")
+        return gpu
+
+
+def make_holder(
+    namespace: str, pod: str, container: str, meta: PodMeta | None, label_allowlist: Sequence[str]
+) -> Holder:
+    if meta is None:
+        return Holder(namespace, pod, container)
+    labels = tuple((k, meta.labels[k]) for k in label_allowlist if k in meta.labels)
+    return Holder(
+        namespace,
+        pod,
+        container,
+        pod_uid=meta.uid,
+        workload_kind=meta.workload_kind,
+        workload_name=meta.workload_name,
+        labels=labels,
+    )
+
+
+def attribute(
+    inventory: NodeInventory | None,
+    snapshot: PodResourcesSnapshot | None,
+    *,
+    pods: PodLookup | None = None,
+    label_allowlist: Sequence[str] = (),
+) -> Attribution:
+    """Map a kubelet snapshot onto the inventory. No snapshot (or a stale one): unavailable.
+    No inventory yet: pending, nothing counted as unmapped."""
+    if snapshot is None:
+        return UNAVAILABLE
+    if inventory is None:
+        return Attribution("pending")
+    index = DeviceIndex(inventory)
+    allocations: list[Allocation] = []
+    unmapped: list[Unmapped] = []
+    holders: dict[tuple[str, str, str], Holder] = {}
+    for a in snapshot.assignments:
+        try:
+            ref = parse_device_id(a.device_id)
+            gpu, mig = index.resolve(ref)
+        except DeviceIdError as exc:
+            unmapped.append(_unmapped(a, exc.reason))
+            continue
+        key = (a.namespace, a.pod, a.container)
+        holder = holders.get(key)
+        if holder is None:
+            meta = pods(a.namespace, a.pod) if pods is not None else None
+            holder = holders[key] = make_holder(*key, meta, label_allowlist)
+        allocations.append(
+            Allocation(
+                holder=holder,
+                resource_name=a.resource_name,
+                device_id=a.device_id,
+                gpu_uuid=gpu.uuid,
+                mig_uuid=mig.uuid if mig is not None else None,
+                replica=ref.replica,
+            )
+        )
+    return Attribution(
+        "current",
+        allocations=tuple(allocations),
+        unmapped=tuple(unmapped),
+        by_device=MappingProxyType(_by_device(allocations)),
+    )
+
+
+def _by_device(allocations: Iterable[Allocation]) -> dict[str, tuple[Holder, ...]]:
+    grouped: dict[str, dict[Holder, None]] = {}
+    for a in allocations:
+        grouped.setdefault(a.mig_uuid or a.gpu_uuid, {})[a.holder] = None
+    return {
+        uuid: tuple(sorted(h, key=lambda h: (h.namespace, h.pod, h.container)))
+        for uuid, h in grouped.items()
+    }
+
+
+def _unmapped(a: DeviceAssignment, reason: str) -> Unmapped:
+    return Unmapped(a.namespace, a.pod, a.container, a.resource_name, a.device_id, reason)

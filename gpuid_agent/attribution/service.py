@@ -1,0 +1,145 @@
+"""Keeps the current attribution: recomputed when the kubelet mapping, the pod metadata or the
+inventory changes, never inside a scrape. Unattributable device ids are counted and logged
+once per change of their set."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter as Tally
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gpuid_agent import log
+from gpuid_agent.attribution.mapping import UNAVAILABLE, Attribution, Unmapped, attribute
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.sources.podresources import PodResourcesSource
+from gpuid_agent.sources.pods import PodDirectory
+
+_log = log.get("attribution")
+_EXAMPLES = 5
+
+
+class Attributor:
+    def __init__(
+        self,
+        source: PodResourcesSource,
+        *,
+        pods: PodDirectory | None = None,
+        label_allowlist: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.source = source
+        self.pods = pods
+        self.label_allowlist = tuple(label_allowlist)
+        self.current: Attribution = UNAVAILABLE
+        self._unmapped: frozenset[Unmapped] = frozenset()
+        self._reasons: set[str] = set()
+        r = registry or CollectorRegistry(auto_describe=True)
+        self._unmapped_now = Gauge(
+            "gpuid_attribution_unmapped_devices",
+            "kubelet GPU device ids not attributed now, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self._unmapped_total = Counter(
+            "gpuid_attribution_unmapped",
+            "kubelet GPU device ids found unattributable (each counted once when it appears).",
+            ["reason"],
+            registry=r,
+        )
+        self._holders = Gauge(
+            "gpuid_attribution_holders",
+            "Containers holding a GPU or MIG device of this node.",
+            registry=r,
+        )
+
+    @property
+    def pods_ready(self) -> bool:
+        return self.pods is None or self.pods.ready
+
+    def refresh(self, inventory: NodeInventory | None) -> Attribution:
+        attribution = attribute(
+            inventory,
+            self.source.current(),
+            pods=self.pods.lookup if self.pods is not None else None,
+            label_allowlist=self.label_allowlist,
+        )
+        self._note(attribution)
+        self.current = attribution
+        return attribution
+
+    def _note(self, attribution: Attribution) -> None:
+        if attribution.state != "current":
+            return  # keep the last counts: nothing was checked
+        unmapped = frozenset(attribution.unmapped)
+        self._holders.set(len({a.holder for a in attribution.allocations}))
+        if unmapped == self._unmapped:
+            return
+        new = unmapped - self._unmapped
+        self._unmapped = unmapped
+        for reason, count in Tally(u.reason for u in new).items():
+            self._unmapped_total.labels(reason).inc(count)
+        now = Tally(u.reason for u in unmapped)
+        self._reasons.update(now)
+        for reason in self._reasons:
+            self._unmapped_now.labels(reason).set(now.get(reason, 0))
+        if new:
+            examples = sorted(new, key=lambda u: (u.namespace, u.pod, u.device_id))[:_EXAMPLES]
+            _log.warning(
+                "kubelet device ids not attributed",
+                extra={
+                    "count": len(unmapped),
+                    "examples": [
+                        {
+                            "pod": f"{u.namespace}/{u.pod}",
+                            "container": u.container,
+                            "resource": u.resource_name,
+                            "device_id": u.device_id[:80],
+                            "reason": u.reason,
+                        }
+                        for u in examples
+                    ],
+                },
+            )
+        elif not unmapped:
+            _log.info("all kubelet device ids attributed again")
+
+    async def wait_changed(self) -> None:
+        """Return once the kubelet mapping or the pod metadata changed."""
+        events = [self.source.changed]
+        if self.pods is not None:
+            events.append(self.pods.changed)
+        if not any(e.is_set() for e in events):
+            waiters = [asyncio.ensure_future(e.wait()) for e in events]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await w
+        for e in events:
+            e.clear()
+
+    def status(self) -> dict[str, Any]:
+        current = self.current
+        return {
+            "state": current.state,
+            "kubelet": self.source.status(),
+            "allocations": len(current.allocations),
+            "holders": len({a.holder for a in current.allocations}),
+            "unmapped": [
+                {
+                    "pod": f"{u.namespace}/{u.pod}",
+                    "container": u.container,
+                    "resource": u.resource_name,
+                    "device_id": u.device_id[:80],
+                    "reason": u.reason,
+                }
+                for u in sorted(current.unmapped, key=lambda u: (u.namespace, u.pod))[:20]
+            ],
+            "pods_ready": self.pods_ready,
+        }

@@ -1,0 +1,1 @@
+"""Stubs generated from api.proto (kubelet pod-resources v1); regenerate with `nox -s proto`."""
