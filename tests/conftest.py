@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,8 +67,8 @@ async def eventually(check: Callable[[], Any], within: float = 10.0, step: float
 
 
 @pytest.fixture
-def subprocess_env() -> Iterator[dict[str, str]]:
+def subprocess_env() -> dict[str, str]:
     """Environment for agent subprocesses: this interpreter's, without our settings."""
     env = {k: v for k, v in os.environ.items() if k.lower() not in Settings.model_fields}
     env["PYTHONUNBUFFERED"] = "1"
-    yield env
+    return env
