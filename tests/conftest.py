@@ -72,3 +72,8 @@ def subprocess_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.lower() not in Settings.model_fields}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+from tests.fakenvml.fixtures import fake_nvml, fake_nvml_build_dir, fake_nvml_lib  # noqa: E402
+
+__all__ = ["fake_nvml", "fake_nvml_build_dir", "fake_nvml_lib"]
