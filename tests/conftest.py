@@ -77,3 +77,6 @@ def subprocess_env() -> dict[str, str]:
 from tests.fakenvml.fixtures import fake_nvml, fake_nvml_build_dir, fake_nvml_lib  # noqa: E402
 
 __all__ = ["fake_nvml", "fake_nvml_build_dir", "fake_nvml_lib"]
+from tests.fakekubelet.fixtures import kubelet, kubelet_socket  # noqa: E402
+
+__all__ += ["kubelet", "kubelet_socket"]

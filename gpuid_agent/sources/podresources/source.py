@@ -82,8 +82,7 @@ def _assignment_key(a: DeviceAssignment) -> tuple[str, ...]:
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        r = registry or CollectorRegistry(auto_describe=True)
+    def __init__(self, r: CollectorRegistry) -> None:
         self.up = Gauge(
             "gpuid_pod_resources_up", "1 when the last kubelet List worked.", registry=r
         )
@@ -129,7 +128,8 @@ class PodResourcesSource:
         self.backoff_max = max(backoff_max, interval)
         self.allocatable_every = allocatable_every
         self._clock = clock
-        self._metrics = _Metrics(registry)
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._metrics = _Metrics(self.registry)
         self.snapshot: PodResourcesSnapshot | None = None
         self.last_success: float | None = None
         self.last_success_at: datetime | None = None

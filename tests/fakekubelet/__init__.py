@@ -1,0 +1,16 @@
+"""A real kubelet pod-resources v1 gRPC server on a unix socket, for tests.
+
+The server itself lives in the package (`gpuid_agent.simulate.kubelet`) because the simulated
+node runs it too; this package adds what only tests need: short socket paths (a unix socket
+path must stay under 108 bytes, which pytest's tmp_path does not promise) and fixtures.
+"""
+
+from gpuid_agent.simulate.kubelet import (
+    Behaviour,
+    FakeKubelet,
+    KubeletContainer,
+    KubeletPod,
+    pod,
+)
+
+__all__ = ["Behaviour", "FakeKubelet", "KubeletContainer", "KubeletPod", "pod"]

@@ -1,0 +1,268 @@
+"""Pods on GPUs end to end: fake libnvidia-ml (real pynvml) + a real grpc.aio kubelet + the
+agent, asserted by parsing /gpu/metrics with prometheus_client's text parser."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.nvml_api import PynvmlApi
+from tests import fakenvml
+from tests.conftest import eventually, running_agent, settings
+from tests.fakekubelet import FakeKubelet, KubeletPod, pod
+from tests.fakenvml.fixtures import FakeNvml
+
+Holders = set[tuple[str, str, str]]
+NOBODY: Holders = {("", "", "")}
+
+
+def make_agent(fake: FakeNvml, kubelet: FakeKubelet, **overrides: Any) -> Agent:
+    s = settings(
+        pod_resources_socket=kubelet.socket_path,
+        pod_resources_interval=0.05,
+        **overrides,
+    )
+    return Agent(
+        s, nvml_api=PynvmlApi(str(fake.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
+    )
+
+
+async def scrape(agent: Agent, path: str = "/gpu/metrics") -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{agent.bound_port}{path}") as resp,
+    ):
+        assert resp.status == 200
+        return {f.name: f for f in text_string_to_metric_families(await resp.text())}
+
+
+def holders(families: dict[str, Any], family: str = "gpuid_gpu_temperature_celsius") -> dict:  # type: ignore[type-arg]
+    """(GPU UUID, GPU instance id) → {(namespace, pod, container)} from one family's series."""
+    out: dict[tuple[str, str], Holders] = {}
+    for s in families[family].samples:
+        key = (s.labels.get("uuid", s.labels.get("UUID")), s.labels.get("gpu_instance_id", ""))
+        out.setdefault(key, set()).add(
+            (s.labels["namespace"], s.labels["pod"], s.labels["container"])
+        )
+    return out
+
+
+@dataclass
+class Scenario:
+    nvml: Callable[[], fakenvml.FakeNvmlConfig]
+    pods: Callable[[fakenvml.FakeNvmlConfig], list[KubeletPod]]
+    want: Callable[[fakenvml.FakeNvmlConfig], dict[tuple[str, str], Holders]]
+    family: str = "gpuid_gpu_temperature_celsius"
+
+
+def _uuids(config: fakenvml.FakeNvmlConfig) -> list[str]:
+    return [g.uuid or "" for g in config.gpus]
+
+
+def _migs(config: fakenvml.FakeNvmlConfig) -> list[str]:
+    return [m.uuid or "" for m in config.gpus[0].mig]
+
+
+def _whole(
+    config: fakenvml.FakeNvmlConfig, held: dict[int, Holders]
+) -> dict[tuple[str, str], Holders]:
+    return {(u, ""): held.get(i, NOBODY) for i, u in enumerate(_uuids(config))}
+
+
+TRAIN = ("ml", "train-0", "trainer")
+NOTEBOOK = ("default", "notebook", "jupyter")
+SERVE = [("inference", f"serve-{r}", "server") for r in range(3)]
+
+SCENARIOS = {
+    "uuid": Scenario(
+        fakenvml.h100x8,
+        lambda c: [
+            pod(*TRAIN[:2], TRAIN[2], "nvidia.com/gpu", *_uuids(c)[:4]),
+            pod(*NOTEBOOK[:2], NOTEBOOK[2], "nvidia.com/gpu", _uuids(c)[4]),
+        ],
+        lambda c: _whole(c, {0: {TRAIN}, 1: {TRAIN}, 2: {TRAIN}, 3: {TRAIN}, 4: {NOTEBOOK}}),
+    ),
+    "index": Scenario(
+        fakenvml.h100x8,
+        lambda c: [
+            pod(*TRAIN[:2], TRAIN[2], "nvidia.com/gpu", "6", "7"),
+            pod(*NOTEBOOK[:2], NOTEBOOK[2], "nvidia.com/gpu", "0"),
+        ],
+        lambda c: _whole(c, {6: {TRAIN}, 7: {TRAIN}, 0: {NOTEBOOK}}),
+    ),
+    "shared-by-three": Scenario(
+        fakenvml.h100x8,
+        lambda c: (
+            [
+                pod(*SERVE[r][:2], SERVE[r][2], "nvidia.com/gpu", f"{_uuids(c)[0]}::{r}")
+                for r in range(3)
+            ]
+            # two replicas of one GPU in one container: still one holder
+            + [
+                pod(
+                    *NOTEBOOK[:2],
+                    NOTEBOOK[2],
+                    "nvidia.com/gpu.shared",
+                    f"{_uuids(c)[1]}::0",
+                    f"{_uuids(c)[1]}::1",
+                )
+            ]
+        ),
+        lambda c: _whole(c, {0: set(SERVE), 1: {NOTEBOOK}}),
+    ),
+    "mig": Scenario(
+        fakenvml.mig_h100,
+        lambda c: [
+            pod("research", "big", "w", "nvidia.com/mig-3g.40gb", _migs(c)[0]),
+            pod("research", "small", "w", "nvidia.com/mig-1g.10gb", f"{_migs(c)[1]}::0"),  # EKS
+        ],
+        lambda c: {
+            (_uuids(c)[0], ""): NOBODY,  # the parent GPU's own series carry no pod
+            (_uuids(c)[0], "2"): {("research", "big", "w")},
+            (_uuids(c)[0], "9"): {("research", "small", "w")},
+        },
+        family="gpuid_gpu_memory_used_bytes",
+    ),
+    "gke": Scenario(
+        fakenvml.h100x8,
+        lambda c: [
+            pod(*TRAIN[:2], TRAIN[2], "nvidia.com/gpu", "nvidia0", "nvidia1"),
+            pod(*SERVE[0][:2], SERVE[0][2], "nvidia.com/gpu", "nvidia2/vgpu0"),
+            pod(*SERVE[1][:2], SERVE[1][2], "nvidia.com/gpu", "nvidia2/vgpu1"),
+        ],
+        lambda c: _whole(c, {0: {TRAIN}, 1: {TRAIN}, 2: set(SERVE[:2])}),
+    ),
+    "gke-mig": Scenario(
+        fakenvml.mig_h100,
+        lambda c: [
+            pod("research", "big", "w", "nvidia.com/mig-3g.40gb", "nvidia0/gi2"),
+            pod("research", "small", "w", "nvidia.com/mig-1g.10gb", "nvidia0/gi9"),
+        ],
+        lambda c: {
+            (_uuids(c)[0], ""): NOBODY,
+            (_uuids(c)[0], "2"): {("research", "big", "w")},
+            (_uuids(c)[0], "9"): {("research", "small", "w")},
+        },
+        family="gpuid_gpu_memory_used_bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+async def test_device_id_scenarios(fake_nvml: FakeNvml, kubelet: FakeKubelet, name: str) -> None:
+    scenario = SCENARIOS[name]
+    config = scenario.nvml()
+    fake_nvml.apply(config)
+    kubelet.pods = scenario.pods(config)
+    want = scenario.want(config)
+    async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
+        await eventually(lambda: agent.attributor.current.allocations)
+        families = await scrape(agent)
+    assert holders(families, scenario.family) == want
+    assert not agent.attributor.current.unmapped
+    held = families["gpuid_gpu_holders"].samples
+    for s in held:
+        key = (s.labels["uuid"], s.labels["gpu_instance_id"])
+        assert s.value == len(want[key] - NOBODY), key
+
+
+async def test_mig_series_carry_instance_labels_and_memory(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.mig_h100()
+    fake_nvml.apply(config)
+    mig = config.gpus[0].mig
+    kubelet.pods = [pod("research", "big", "w", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
+    async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming="dcgm")) as agent:
+        await eventually(lambda: agent.attributor.current.allocations)
+        families = await scrape(agent)
+    used = {s.labels["GPU_I_ID"]: s for s in families["DCGM_FI_DEV_FB_USED"].samples}
+    assert set(used) == {"", "2", "9"}
+    assert used["2"].labels["GPU_I_PROFILE"] == "3g.40gb"
+    assert used["2"].labels["pod"] == "big" and used["2"].labels["namespace"] == "research"
+    assert used["2"].value == (mig[0].mem_used or 0) / (1024 * 1024)
+    assert used["9"].labels["GPU_I_PROFILE"] == "1g.10gb" and used["9"].labels["pod"] == ""
+    assert used["2"].labels["UUID"] == config.gpus[0].uuid  # dcgm-exporter: the parent's UUID
+
+
+async def test_unknown_and_malformed_ids_are_counted_not_fatal(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gpuid_agent")
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    good = config.gpus[0].uuid or ""
+    kubelet.pods = [
+        pod("a", "good", "c", "nvidia.com/gpu", good),
+        pod("a", "bad", "c", "nvidia.com/gpu", "GPU-zzz", "", "9999", "nvidia0/gi", "\u00e9"),
+        pod("a", "ghost", "c", "nvidia.com/gpu", "GPU-deadbeef-0000"),
+    ]
+    async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
+        await eventually(lambda: agent.attributor.current.unmapped)
+        families = await scrape(agent)
+        own = await scrape(agent, "/metrics")
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{agent.bound_port}/status") as resp,
+        ):
+            status = orjson.loads(await resp.read())
+        # the same bad ids polled again and again: logged once
+        calls = kubelet.calls["List"]
+        await eventually(lambda: kubelet.calls["List"] >= calls + 5)
+        assert not agent.supervisor.problems()
+    assert holders(families)[(good, "")] == {("a", "good", "c")}
+    reasons = {
+        s.labels["reason"]: s.value
+        for s in own["gpuid_attribution_unmapped_devices"].samples
+        if s.value
+    }
+    assert reasons == {"unknown_form": 2, "empty": 1, "unknown_gpu": 2, "bad_characters": 1}
+    assert len(status["attribution"]["unmapped"]) == 6
+    warnings = [r for r in caplog.records if r.getMessage() == "kubelet device ids not attributed"]
+    assert len(warnings) == 1
+
+
+async def test_a_new_pod_is_rendered_without_waiting_for_nvml(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    async with running_agent(make_agent(fake_nvml, kubelet, collect_interval=3600)) as agent:
+        await eventually(lambda: agent.inventory is not None)
+        families = await scrape(agent)
+        assert holders(families)[(config.gpus[3].uuid, "")] == NOBODY
+        kubelet.pods = [pod("a", "late", "c", "nvidia.com/gpu", config.gpus[3].uuid or "")]
+        await eventually(lambda: agent.attributor.current.allocations)
+        families = await scrape(agent)
+    assert holders(families)[(config.gpus[3].uuid, "")] == {("a", "late", "c")}
+
+
+async def test_a_scrape_only_serves_prepared_bytes(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
+        await eventually(lambda: agent.attributor.current.allocations)
+        await agent.supervisor.stop("collector", "pod-resources", "attribution")
+        calls = dict(kubelet.calls)
+        kubelet.behaviour.delay["List"] = 30.0  # a scrape that asked the kubelet would hang
+        async with aiohttp.ClientSession() as http:
+            bodies = set()
+            for _ in range(20):
+                async with http.get(f"http://127.0.0.1:{agent.bound_port}/gpu/metrics") as resp:
+                    bodies.add(await resp.read())
+    assert dict(kubelet.calls) == calls
+    assert len(bodies) == 1
+    assert b'pod="p"' in bodies.pop()
