@@ -168,7 +168,7 @@ async def test_kubelet_restart_mid_run(
         assert devices(src) == {("a", "before", "c", "nvidia.com/gpu", GPU_A)}
 
         await kubelet.stop()  # socket removed, as when the kubelet restarts
-        assert not os.path.exists(kubelet.socket_path)
+        assert not await asyncio.to_thread(os.path.exists, kubelet.socket_path)
         await eventually(lambda: src.failure is not None and src.failure.reason == "socket_missing")
         await eventually(
             lambda: (metric(src, "gpuid_pod_resources_polls_total", outcome="socket_missing") or 0)
