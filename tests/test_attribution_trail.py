@@ -1,0 +1,230 @@
+"""The allocation trail through the real pipeline: starts, ends, and agent restarts."""
+
+from __future__ import annotations
+
+import io
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.attribution import attribute
+from gpuid_agent.inventory import build_inventory
+from gpuid_agent.model import GpuIdentity
+from gpuid_agent.sinks.allocations import (
+    STATE_FILE,
+    AllocationTrail,
+    TrailIdentity,
+    allocation_record_id,
+)
+from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.nvml_api import PynvmlApi
+from gpuid_agent.sources.podresources import DeviceAssignment, PodResourcesSnapshot
+from gpuid_agent.sources.pods import PodMeta
+from tests import fakenvml
+from tests.conftest import eventually, running_agent, settings
+from tests.fakekubelet import FakeKubelet, pod
+from tests.fakenvml.fixtures import FakeNvml
+
+
+def make_agent(fake: FakeNvml, kubelet: FakeKubelet, out: io.BytesIO, **overrides: Any) -> Agent:
+    s = settings(pod_resources_socket=kubelet.socket_path, pod_resources_interval=0.05, **overrides)
+    return Agent(s, nvml_api=PynvmlApi(str(fake.lib_path)), exporters=[StdoutExporter(out)])
+
+
+def allocations(out: io.BytesIO) -> list[dict[str, Any]]:
+    records = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    return [r for r in records if r["kind"] == "allocation"]
+
+
+def by_pod(records: list[dict[str, Any]], event: str) -> dict[str, dict[str, Any]]:
+    return {r["pod"]: r for r in records if r["event"] == event}
+
+
+async def test_start_and_end_records(fake_nvml: FakeNvml, kubelet: FakeKubelet) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    shared = config.gpus[1].uuid
+    kubelet.pods = [pod("ml", "train", "main", "nvidia.com/gpu", config.gpus[0].uuid or "")] + [
+        pod("inf", f"serve-{r}", "srv", "nvidia.com/gpu", f"{shared}::{r}") for r in range(3)
+    ]
+    out = io.BytesIO()
+    async with running_agent(make_agent(fake_nvml, kubelet, out)) as agent:
+        await eventually(lambda: len(allocations(out)) == 4)
+        kubelet.pods = kubelet.pods[:1] + kubelet.pods[2:]  # serve-0 goes away
+        await eventually(lambda: len(allocations(out)) == 5)
+        assert agent.trail.status()["open"] == 3
+    records = allocations(out)
+    starts, ends = by_pod(records, "start"), by_pod(records, "end")
+    assert set(starts) == {"train", "serve-0", "serve-1", "serve-2"}
+    train = starts["train"]
+    assert train["serial"] == train["gpu"] == config.gpus[0].serial
+    assert train["uuid"] == config.gpus[0].uuid and train["mig_uuid"] is None
+    assert (train["namespace"], train["container"], train["resource_name"]) == (
+        "ml",
+        "main",
+        "nvidia.com/gpu",
+    )
+    assert train["device_id"] == config.gpus[0].uuid and train["ended_at"] is None
+    assert train["cluster"] == "test" and train["node"] == "node-a"
+    assert train["start_observed"] is False  # already there when the agent started
+    for r in range(3):
+        assert starts[f"serve-{r}"]["uuid"] == shared  # every sharing pod, not the last one
+        assert starts[f"serve-{r}"]["replica"] == r
+    assert set(ends) == {"serve-0"}
+    end, start = ends["serve-0"], starts["serve-0"]
+    assert end["allocation_id"] == start["allocation_id"]
+    assert end["started_at"] == start["started_at"] and end["ended_at"] >= start["started_at"]
+    assert end["end_observed"] is True
+    assert start["record_id"] == allocation_record_id(start["allocation_id"], "start")
+    assert end["record_id"] == allocation_record_id(start["allocation_id"], "end")
+    assert len({r["record_id"] for r in records}) == len(records)
+
+
+async def test_restart_with_state_dir_closes_what_ended_meanwhile(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path
+) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    uuids = [g.uuid or "" for g in config.gpus]
+    kubelet.pods = [
+        pod("a", "stays", "c", "nvidia.com/gpu", uuids[0]),
+        pod("a", "leaves", "c", "nvidia.com/gpu", uuids[1]),
+    ]
+    first = io.BytesIO()
+    async with running_agent(make_agent(fake_nvml, kubelet, first, state_dir=str(tmp_path))):
+        await eventually(lambda: len(allocations(first)) == 2)
+    assert (tmp_path / STATE_FILE).exists()
+
+    # while the agent is down: one pod ends, another starts
+    kubelet.pods = [kubelet.pods[0], pod("a", "arrives", "c", "nvidia.com/gpu", uuids[2])]
+    second = io.BytesIO()
+    agent = make_agent(fake_nvml, kubelet, second, state_dir=str(tmp_path))
+    async with running_agent(agent):
+        await eventually(lambda: len(allocations(second)) == 2)
+        calls = kubelet.calls["List"]
+        await eventually(lambda: kubelet.calls["List"] > calls + 3)
+    records = allocations(second)
+    assert len(records) == 2  # no second start for "stays"
+    ended, started = by_pod(records, "end"), by_pod(records, "start")
+    assert set(ended) == {"leaves"} and set(started) == {"arrives"}
+    gone = ended["leaves"]
+    assert gone["end_observed"] is False
+    assert gone["ended_at"] >= agent.trail.started_at.isoformat()[:19]
+    assert gone["last_seen_at"] and gone["last_seen_at"] <= gone["ended_at"]
+    original = by_pod(allocations(first), "start")["leaves"]
+    assert gone["allocation_id"] == original["allocation_id"]
+    assert started["arrives"]["start_observed"] is False
+
+
+async def test_restart_without_state_dir_reannounces_under_the_same_ids(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    runs = []
+    for _ in range(2):
+        out = io.BytesIO()
+        async with running_agent(make_agent(fake_nvml, kubelet, out)):
+            await eventually(lambda out=out: allocations(out))  # type: ignore[misc]
+        runs.append(allocations(out))
+    assert [len(r) for r in runs] == [1, 1]
+    assert runs[0][0]["record_id"] == runs[1][0]["record_id"]
+    assert runs[0][0]["allocation_id"] == runs[1][0]["allocation_id"]
+
+
+async def test_a_damaged_state_file_is_ignored(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gpuid_agent")
+    (tmp_path / STATE_FILE).write_bytes(b'{"version": 1, "node": "node-a", "open": [{"pod": 1}]')
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    out = io.BytesIO()
+    async with running_agent(make_agent(fake_nvml, kubelet, out, state_dir=str(tmp_path))):
+        await eventually(lambda: allocations(out))
+    assert by_pod(allocations(out), "start").keys() == {"p"}
+    assert any(r.getMessage() == "ignoring unreadable allocation state" for r in caplog.records)
+    saved = orjson.loads((tmp_path / STATE_FILE).read_bytes())
+    assert [r["pod"] for r in saved["open"]] == ["p"]
+
+
+async def test_an_unreachable_kubelet_ends_nothing(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    out = io.BytesIO()
+    agent = make_agent(fake_nvml, kubelet, out, pod_resources_stale_after=0.1)
+    async with running_agent(agent):
+        await eventually(lambda: allocations(out))
+        await kubelet.stop()
+        await eventually(lambda: agent.attributor.current.state == "unavailable")
+        failures = agent.pod_resources.status()
+        assert failures["stale"] is True
+        kubelet.pods = []
+        await kubelet.start()
+        await eventually(lambda: len(allocations(out)) == 2)
+    assert [r["event"] for r in allocations(out)] == ["start", "end"]
+
+
+def test_mig_allocation_and_a_replaced_pod() -> None:
+    """Record fields of a MIG allocation; a pod recreated under the same name (new UID) on the
+    same device ends the old allocation and starts a new one."""
+    from gpuid_agent.model import MigDevice
+
+    gpu = GpuIdentity(
+        index=0,
+        uuid="GPU-00000000-0000-4000-8000-000000000000",
+        serial="S0",
+        mig_enabled=True,
+        mig_devices=(MigDevice(0, "MIG-11111111-0000-4000-8000-000000000000", 2, 0, "3g.40gb"),),
+    )
+    inventory = build_inventory(
+        [gpu],
+        node="n",
+        cluster="c",
+        machine="m",
+        machine_source="test",
+        driver_version=None,
+        cuda_driver_version=None,
+        read_time=datetime.now(UTC),
+    )
+    snapshot = PodResourcesSnapshot(
+        (DeviceAssignment("ns", "db-0", "pg", "nvidia.com/mig-3g.40gb", gpu.mig_devices[0].uuid),)
+    )
+    trail = AllocationTrail(TrailIdentity("c", "n", "m", "src"), publish=_never)
+    uid = {"value": "uid-1"}
+
+    def lookup(namespace: str, name: str) -> PodMeta:
+        return PodMeta(
+            namespace, name, uid["value"], workload_kind="StatefulSet", workload_name="db"
+        )
+
+    first = trail.diff(attribute(inventory, snapshot, pods=lookup), inventory)
+    assert len(first) == 1
+    record = first[0]
+    assert record["mig_uuid"] == gpu.mig_devices[0].uuid
+    assert (record["mig_gpu_instance_id"], record["mig_profile"]) == (2, "3g.40gb")
+    assert (record["pod_uid"], record["workload_kind"], record["workload_name"]) == (
+        "uid-1",
+        "StatefulSet",
+        "db",
+    )
+    assert trail.diff(attribute(inventory, snapshot, pods=lookup), inventory) == []
+    uid["value"] = "uid-2"
+    replaced = trail.diff(attribute(inventory, snapshot, pods=lookup), inventory)
+    assert [(r["event"], r["pod_uid"]) for r in replaced] == [("end", "uid-1"), ("start", "uid-2")]
+    assert replaced[0]["allocation_id"] == record["allocation_id"]
+    assert replaced[1]["allocation_id"] != record["allocation_id"]
+
+
+async def _never(records: list[dict[str, Any]]) -> None:
+    raise AssertionError("not published in this test")
