@@ -116,7 +116,8 @@ class Agent:
         self._sim_dir: str | None = None
         self._sim_kubelet: Any = None
         socket_path = settings.pod_resources_socket
-        if settings.simulate:
+        # A simulated node runs its own kubelet unless pointed at one (the benchmark does).
+        if settings.simulate and "pod_resources_socket" not in settings.model_fields_set:
             self._sim_dir = tempfile.mkdtemp(prefix="gpuid-kubelet-")
             socket_path = os.path.join(self._sim_dir, "kubelet.sock")
         self.pod_resources = PodResourcesSource(

@@ -46,15 +46,31 @@ async def scrape(agent: Agent, path: str = "/gpu/metrics") -> dict[str, Any]:
         return {f.name: f for f in text_string_to_metric_families(await resp.text())}
 
 
-def holders(families: dict[str, Any], family: str = "gpuid_gpu_temperature_celsius") -> dict:  # type: ignore[type-arg]
-    """(GPU UUID, GPU instance id) → {(namespace, pod, container)} from one family's series."""
+def holders(
+    families: dict[str, Any], family: str = "gpuid_gpu_temperature_celsius"
+) -> dict[tuple[str, str], Holders]:
+    """(GPU UUID, GPU instance id) → {(namespace, pod, container)}: from the telemetry series
+    themselves in dcgm naming, from gpuid_gpu_allocation_info joined on (uuid,
+    gpu_instance_id) in Prometheus naming; NOBODY for a device with telemetry and no holder."""
+    dcgm = "DCGM_FI_DEV_INFO" in families
+    if dcgm:
+        family = {
+            "gpuid_gpu_temperature_celsius": "DCGM_FI_DEV_GPU_TEMP",
+            "gpuid_gpu_memory_used_bytes": "DCGM_FI_DEV_FB_USED",
+        }[family]
+    uuid, gi = ("UUID", "GPU_I_ID") if dcgm else ("uuid", "gpu_instance_id")
     out: dict[tuple[str, str], Holders] = {}
     for s in families[family].samples:
-        key = (s.labels.get("uuid", s.labels.get("UUID")), s.labels.get("gpu_instance_id", ""))
-        out.setdefault(key, set()).add(
-            (s.labels["namespace"], s.labels["pod"], s.labels["container"])
-        )
-    return out
+        key = (s.labels[uuid], s.labels[gi])
+        who = {(s.labels["namespace"], s.labels["pod"], s.labels["container"])} if dcgm else set()
+        out.setdefault(key, set()).update(who)
+    if not dcgm:
+        assert not {"pod", "namespace", "container"} & set(families[family].samples[0].labels)
+        for s in families["gpuid_gpu_allocation_info"].samples:
+            key = (s.labels["uuid"], s.labels["gpu_instance_id"])
+            assert key in out, key  # every allocation joins a telemetry series
+            out[key].add((s.labels["namespace"], s.labels["pod"], s.labels["container"]))
+    return {key: who or NOBODY for key, who in out.items()}
 
 
 @dataclass
@@ -158,21 +174,24 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("naming", ["prometheus", "dcgm"])
 @pytest.mark.parametrize("name", SCENARIOS)
-async def test_device_id_scenarios(fake_nvml: FakeNvml, kubelet: FakeKubelet, name: str) -> None:
+async def test_device_id_scenarios(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, name: str, naming: str
+) -> None:
     scenario = SCENARIOS[name]
     config = scenario.nvml()
     fake_nvml.apply(config)
     kubelet.pods = scenario.pods(config)
     want = scenario.want(config)
-    async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
+    async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming=naming)) as agent:
         await eventually(lambda: agent.attributor.current.allocations)
         families = await scrape(agent)
     assert holders(families, scenario.family) == want
     assert not agent.attributor.current.unmapped
-    held = families["gpuid_gpu_holders"].samples
-    for s in held:
-        key = (s.labels["uuid"], s.labels["gpu_instance_id"])
+    uuid, gi = ("UUID", "GPU_I_ID") if naming == "dcgm" else ("uuid", "gpu_instance_id")
+    for s in families["gpuid_gpu_holders"].samples:
+        key = (s.labels[uuid], s.labels[gi])
         assert s.value == len(want[key] - NOBODY), key
 
 

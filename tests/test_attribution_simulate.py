@@ -32,13 +32,16 @@ async def test_simulated_mig_node_has_pods_on_a_shared_gpu_and_mig_devices() -> 
         assert agent.board.is_ok("pod-resources")
     assert not await asyncio.to_thread(os.path.exists, socket_path)  # gone with the agent
     used = families["gpuid_gpu_memory_used_bytes"].samples
+    profiles = {s.labels["gpu_instance_profile"] for s in used if s.labels["gpu_instance_id"]}
+    assert profiles == {"3g.40gb", "2g.20gb", "1g.10gb"}  # held or not, each has its series
+    info = families["gpuid_gpu_allocation_info"].samples
     mig = {
         s.labels["gpu_instance_profile"]: s.labels["pod"]
-        for s in used
+        for s in info
         if s.labels["gpu_instance_id"]
     }
-    assert mig == {"3g.40gb": "mig-job-0", "2g.20gb": "mig-job-1", "1g.10gb": ""}
-    shared = {s.labels["pod"] for s in used if s.labels["gpu"] == "1"}
+    assert mig == {"3g.40gb": "mig-job-0", "2g.20gb": "mig-job-1"}
+    shared = {s.labels["pod"] for s in info if s.labels["gpu"] == "1"}
     assert shared == {"llm-serve-0", "llm-serve-1", "llm-serve-2"}
     records = [orjson.loads(x) for x in out.getvalue().splitlines()]
     starts = [r for r in records if r["kind"] == "allocation" and r["event"] == "start"]

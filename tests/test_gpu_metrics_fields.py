@@ -255,7 +255,7 @@ def test_hostile_pod_values_render_and_parse_back(
     sample = GpuSample(uuid, {"temperature_celsius": 40.0})
     rendered = gpu_metrics.render(inventory, {uuid: sample}, naming, attribution, options)
     families = {f.name: f for f in text_string_to_metric_families(rendered.text.decode())}
-    name = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "gpuid_gpu_temperature_celsius"
+    name = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "gpuid_gpu_allocation_info"
     series = families[name].samples
 
     def clean(v: str) -> str:

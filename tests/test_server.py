@@ -47,8 +47,7 @@ async def test_endpoints_on_a_simulated_gb200_node() -> None:
             "gpuid_gpu_temperature_celsius",
             "gpuid_gpu_power_watts",
         ):
-            # one series per GPU and holder pod (the simulated kubelet shares GPU 0)
-            assert len({s.labels["uuid"] for s in families[name].samples}) == 4, name
+            assert len(families[name].samples) == 4, name
 
         async with http.get(
             _url(agent, "/gpu/metrics"), headers={"Accept": "application/openmetrics-text"}
@@ -93,6 +92,7 @@ async def test_dcgm_naming() -> None:
         async with http.get(_url(agent, "/gpu/metrics")) as resp:
             families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     used = families["DCGM_FI_DEV_FB_USED"].samples
+    # dcgm layout: one series per GPU and holder pod (the simulated kubelet shares GPU 0)
     assert len({s.labels["UUID"] for s in used}) == 8
     assert {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"} <= set(used[0].labels)
     assert used[0].labels["Hostname"] == "node-a"

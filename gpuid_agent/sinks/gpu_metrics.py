@@ -4,11 +4,13 @@ A scrape only hands out the last rendered bytes; it never calls NVML, the kubele
 Two namings: Prometheus conventions (default) and dcgm-exporter's field and label names, so
 existing dashboards keep working.
 
-Pods: every series of a GPU is repeated once per container holding it (namespace, pod,
-container labels), so a GPU time-shared by three pods shows up under each of them; a GPU that
-nobody holds has one series with empty pod labels. `gpuid_gpu_holders` says how many holders a
-GPU has, to divide by when summing over pods. MIG devices get their own series (GPU_I_ID,
-GPU_I_PROFILE) with their own holders; the parent GPU's series carry no pod.
+Pods (see docs/attribution.md): `gpuid_gpu_allocation_info` has one series per container
+holding a GPU or MIG device (namespace, pod, container, …), joined to the telemetry on
+(uuid, gpu_instance_id); a GPU time-shared by three pods has three. Telemetry stays one series
+per device, so its size does not grow with the pods. dcgm naming keeps dcgm-exporter's layout
+instead, which its dashboards select on: every telemetry series repeated per holder with pod,
+namespace and container labels (empty for a GPU nobody holds). MIG devices get their own
+series (GPU_I_ID, GPU_I_PROFILE) with their own holders; the parent GPU's series carry no pod.
 """
 
 from __future__ import annotations
@@ -248,7 +250,14 @@ WORKLOAD_LABELS: tuple[tuple[str, str], ...] = (
     ("workload_kind", "workload_kind"),
     ("workload_name", "workload_name"),
 )
+# the identity labels gpuid_gpu_allocation_info repeats, to join on and to read it alone
+JOIN_LABELS: tuple[tuple[str, str], ...] = (
+    ("uuid", "UUID"),
+    ("gpu", "gpu"),
+    ("hostname", "Hostname"),
+)
 HOLDERS_METRIC = "gpuid_gpu_holders"
+ALLOCATION_INFO = "gpuid_gpu_allocation_info"
 _LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -279,7 +288,7 @@ def metric_names(naming: Naming) -> list[str]:
     """Every metric family /gpu/metrics can expose under a naming."""
     info = "gpuid_gpu_info" if naming == "prometheus" else "DCGM_FI_DEV_INFO"
     names = [f.prom_name if naming == "prometheus" else f.dcgm_name for f in FIELDS]
-    return [info, HOLDERS_METRIC, *names]
+    return [info, HOLDERS_METRIC, ALLOCATION_INFO, *names]
 
 
 class _Families(Collector):
@@ -342,15 +351,19 @@ def build_families(
     options: RenderOptions | None = None,
 ) -> list[Metric]:
     dcgm = naming == "dcgm"
+    per_holder = dcgm  # dcgm-exporter's layout: pod labels on every telemetry series
     options = options or RenderOptions()
     attribution = attribution or Attribution("unavailable")
-    identity_names = [d if dcgm else p for p, d in LABELS]
-    mig_names = [d if dcgm else p for p, d in MIG_LABELS]
-    holder_names = [d if dcgm else p for p, d in HOLDER_LABELS]
+
+    def names(table: Iterable[tuple[str, str]]) -> list[str]:
+        return [d if dcgm else p for p, d in table]
+
+    identity_names, mig_names = names(LABELS), names(MIG_LABELS)
+    holder_names = names(HOLDER_LABELS)
     if options.workload_labels:
-        holder_names += [d if dcgm else p for p, d in WORKLOAD_LABELS]
+        holder_names += names(WORKLOAD_LABELS)
     holder_names += [name for _, name in options.pod_labels]
-    label_names = identity_names + mig_names + holder_names
+    series_names = identity_names + mig_names + (holder_names if per_holder else [])
     info_name = "DCGM_FI_DEV_INFO" if dcgm else "gpuid_gpu_info"
     extra = ["chassis", "module_id", "driver_version"]
     info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=identity_names + extra)
@@ -359,8 +372,15 @@ def build_families(
         "Containers holding the GPU or MIG device (time-slicing/MPS: more than one).",
         labels=identity_names + mig_names,
     )
-    by_field = {f.key: _family(f, dcgm, label_names) for f in FIELDS}
-    empty_holder = _holder_values(None, options)
+    join_names = names(JOIN_LABELS)
+    allocation_info = GaugeMetricFamily(
+        ALLOCATION_INFO,
+        "One series (value 1) per container holding a GPU or MIG device; join on "
+        "uuid and gpu_instance_id.",
+        labels=join_names + mig_names + holder_names,
+    )
+    by_field = {f.key: _family(f, dcgm, series_names) for f in FIELDS}
+    empty_holder = _holder_values(None, options) if per_holder else []
     for gpu in inventory.gpus:
         values = [
             str(gpu.index),
@@ -383,12 +403,18 @@ def build_families(
         for uuid, mig_values, holders in _rows(gpu, attribution):
             if uuid != gpu.uuid or not gpu.mig_devices:
                 holders_family.add_metric([*values, *mig_values], len(holders))
+            held = [_holder_values(h, options) for h in holders]
+            for holder_values in held:
+                allocation_info.add_metric(
+                    [gpu.uuid, str(gpu.index), inventory.node, *mig_values, *holder_values], 1
+                )
             sample = samples.get(uuid)
             if sample is None:
                 continue
-            series = [[*values, *mig_values, *_holder_values(h, options)] for h in holders] or [
-                [*values, *mig_values, *empty_holder]
-            ]
+            if per_holder and held:
+                series = [[*values, *mig_values, *h] for h in held]
+            else:
+                series = [[*values, *mig_values, *empty_holder]]
             for spec in FIELDS:
                 value = sample.values.get(spec.key)
                 if value is None:
@@ -397,7 +423,8 @@ def build_families(
                 family = by_field[spec.key]
                 for labels in series:
                     family.add_metric(labels, scaled)
-    return [info, holders_family, *(f for f in by_field.values() if f.samples)]
+    telemetry = [f for f in by_field.values() if f.samples]
+    return [info, holders_family, allocation_info, *telemetry]
 
 
 @dataclass(frozen=True, slots=True)
