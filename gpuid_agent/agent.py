@@ -104,6 +104,7 @@ class Agent:
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self._rendered = gpu_metrics.EMPTY
+        self._render_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
         self.started_at = datetime.now(UTC)
@@ -143,26 +144,31 @@ class Agent:
             state_dir=settings.state_dir,
         )
 
-    def _refresh_attribution(self) -> None:
+    async def _refresh_attribution(self) -> None:
         """Re-attribute and re-render /gpu/metrics; the trail gets the mapping once pod
         metadata is in, so allocation ids carry the pod UID from the first record."""
         attribution = self.attributor.refresh(self.inventory)
-        if self.inventory is None:
+        inventory = self.inventory
+        if inventory is None:
             return
-        self._rendered = gpu_metrics.render(
-            self.inventory,
-            self.samples,
-            self.settings.metrics_naming,
-            attribution,
-            self.render_options,
-        )
         if self.attributor.pods_ready:
-            self.trail.offer(attribution, self.inventory)
+            self.trail.offer(attribution, inventory)
+        # Rendering thousands of per-pod series takes long enough to stall scrapes: it runs
+        # in a thread, one at a time, so a later render always installs later state.
+        async with self._render_lock:
+            self._rendered = await asyncio.to_thread(
+                gpu_metrics.render,
+                self.inventory or inventory,
+                self.samples,
+                self.settings.metrics_naming,
+                self.attributor.current,
+                self.render_options,
+            )
 
     async def _attribution_loop(self) -> None:
         while True:
             await self.attributor.wait_changed()
-            self._refresh_attribution()
+            await self._refresh_attribution()
 
     async def _start_simulated_kubelet(self) -> None:
         from gpuid_agent.simulate.kubelet import FakeKubelet, simulated_pods
@@ -215,7 +221,7 @@ class Agent:
         )
         self.inventory = inventory
         self.samples = reading.samples
-        self._refresh_attribution()
+        await self._refresh_attribution()
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:
