@@ -144,26 +144,33 @@ class Agent:
             state_dir=settings.state_dir,
         )
 
-    async def _refresh_attribution(self) -> None:
-        """Re-attribute and re-render /gpu/metrics; the trail gets the mapping once pod
-        metadata is in, so allocation ids carry the pod UID from the first record."""
-        attribution = self.attributor.refresh(self.inventory)
-        inventory = self.inventory
-        if inventory is None:
-            return
-        if self.attributor.pods_ready:
-            self.trail.offer(attribution, inventory)
-        # Rendering thousands of per-pod series takes long enough to stall scrapes: it runs
-        # in a thread, one at a time, so a later render always installs later state.
+    async def _refresh_attribution(
+        self, inventory: NodeInventory | None = None, samples: dict[str, GpuSample] | None = None
+    ) -> None:
+        """Re-attribute and re-render /gpu/metrics, installing a new NVML reading when given
+        (together with its render, so a visible inventory always has its metrics).
+
+        Rendering thousands of per-pod series takes long enough to stall scrapes: it runs in
+        a thread, one render at a time, so a later render always installs later state. The
+        trail gets the mapping once pod metadata is in, so allocation ids carry the pod UID
+        from the first record."""
         async with self._render_lock:
+            if inventory is None:
+                inventory, samples = self.inventory, self.samples
+            attribution = self.attributor.refresh(inventory)
+            if inventory is None:
+                return
             self._rendered = await asyncio.to_thread(
                 gpu_metrics.render,
-                self.inventory or inventory,
-                self.samples,
+                inventory,
+                samples or {},
                 self.settings.metrics_naming,
-                self.attributor.current,
+                attribution,
                 self.render_options,
             )
+            self.inventory, self.samples = inventory, samples or {}
+            if self.attributor.pods_ready:
+                self.trail.offer(attribution, inventory)
 
     async def _attribution_loop(self) -> None:
         while True:
@@ -219,9 +226,7 @@ class Agent:
             cuda_driver_version=reading.cuda_driver_version,
             read_time=datetime.now(UTC),
         )
-        self.inventory = inventory
-        self.samples = reading.samples
-        await self._refresh_attribution()
+        await self._refresh_attribution(inventory, reading.samples)
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:

@@ -37,6 +37,11 @@ def make_agent(fake: FakeNvml, kubelet: FakeKubelet, **overrides: Any) -> Agent:
     )
 
 
+def rendered_with_pods(agent: Agent) -> bool:
+    """/gpu/metrics has been rendered with at least one holder (renders run in a thread)."""
+    return b"gpuid_gpu_allocation_info{" in agent.gpu_metrics().text
+
+
 async def scrape(agent: Agent, path: str = "/gpu/metrics") -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as http,
@@ -185,7 +190,7 @@ async def test_device_id_scenarios(
     kubelet.pods = scenario.pods(config)
     want = scenario.want(config)
     async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming=naming)) as agent:
-        await eventually(lambda: agent.attributor.current.allocations)
+        await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     assert holders(families, scenario.family) == want
     assert not agent.attributor.current.unmapped
@@ -203,7 +208,7 @@ async def test_mig_series_carry_instance_labels_and_memory(
     mig = config.gpus[0].mig
     kubelet.pods = [pod("research", "big", "w", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
     async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming="dcgm")) as agent:
-        await eventually(lambda: agent.attributor.current.allocations)
+        await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     used = {s.labels["GPU_I_ID"]: s for s in families["DCGM_FI_DEV_FB_USED"].samples}
     assert set(used) == {"", "2", "9"}
@@ -227,7 +232,7 @@ async def test_unknown_and_malformed_ids_are_counted_not_fatal(
         pod("a", "ghost", "c", "nvidia.com/gpu", "GPU-deadbeef-0000"),
     ]
     async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
-        await eventually(lambda: agent.attributor.current.unmapped)
+        await eventually(lambda: agent.attributor.current.unmapped and rendered_with_pods(agent))
         families = await scrape(agent)
         own = await scrape(agent, "/metrics")
         async with (
@@ -261,7 +266,7 @@ async def test_a_new_pod_is_rendered_without_waiting_for_nvml(
         families = await scrape(agent)
         assert holders(families)[(config.gpus[3].uuid, "")] == NOBODY
         kubelet.pods = [pod("a", "late", "c", "nvidia.com/gpu", config.gpus[3].uuid or "")]
-        await eventually(lambda: agent.attributor.current.allocations)
+        await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     assert holders(families)[(config.gpus[3].uuid, "")] == {("a", "late", "c")}
 
@@ -273,7 +278,7 @@ async def test_a_scrape_only_serves_prepared_bytes(
     fake_nvml.apply(config)
     kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
     async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
-        await eventually(lambda: agent.attributor.current.allocations)
+        await eventually(lambda: rendered_with_pods(agent))
         await agent.supervisor.stop("collector", "pod-resources", "attribution")
         calls = dict(kubelet.calls)
         kubelet.behaviour.delay["List"] = 30.0  # a scrape that asked the kubelet would hang

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuid_agent.agent import Agent
 from gpuid_agent.sinks.exporters.stdout import StdoutExporter
 from tests.conftest import eventually, running_agent, settings
+from tests.test_attribution_agent import rendered_with_pods
 
 
 async def test_simulated_mig_node_has_pods_on_a_shared_gpu_and_mig_devices() -> None:
@@ -22,7 +23,7 @@ async def test_simulated_mig_node_has_pods_on_a_shared_gpu_and_mig_devices() -> 
     )
     async with running_agent(agent):
         socket_path = agent.pod_resources.client.socket_path
-        await eventually(lambda: agent.attributor.current.allocations)
+        await eventually(lambda: rendered_with_pods(agent))
         async with (
             aiohttp.ClientSession() as http,
             http.get(f"http://127.0.0.1:{agent.bound_port}/gpu/metrics") as resp,
