@@ -24,8 +24,9 @@ GPU keys are the :class:`FakeGpu` field names; MIG keys are the
 ``NVML_ERROR_NOT_SUPPORTED`` (``uuid``, ``name``, ``pci_bus_id`` and ``minor``
 have defaults).  ``<field-key>`` in an ``error`` line is a key the call reads
 (``power_mw``), a group name (``platform_info``, ``fabric_info``, ``memory``,
-``utilization``, ``pci_info``, ``clock``, ``ecc``, ``remapped_rows``,
-``events``, ``mig``, ``handle``, ``index``) or the C function name
+``utilization``, ``power``, ``energy``, ``pci_info``, ``clock``, ``ecc``,
+``remapped_rows``, ``clocks_event_reasons``, ``events``, ``mig``, ``handle``,
+``index``) or the C function name
 (``nvmlDeviceGetPowerUsage``).  The GPU count is the highest ``<i>`` + 1.
 
 The library re-reads the file at every ``nvmlInit*`` and whenever the file's
