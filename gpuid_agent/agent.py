@@ -198,6 +198,8 @@ class Agent:
         # when EXPECTED_GPU_COUNT is -1.
         self.allocatable_gpu_count: Callable[[], int | None] = lambda: None
         self._loop: asyncio.AbstractEventLoop | None = None
+        if settings.node_conditions:
+            _log.warning("NODE_CONDITIONS is not supported by this build yet; no Node conditions")
 
     def _expected_gpus(self) -> tuple[int | None, str]:
         if self.settings.expected_gpu_count >= 0:

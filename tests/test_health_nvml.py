@@ -297,7 +297,7 @@ async def test_driver_without_event_api_says_xid_not_supported(fake_nvml: FakeNv
 async def test_a_gpu_without_xid_events_says_so(fake_nvml: FakeNvml) -> None:
     config = fakenvml.h100x8()
     config.gpus[7].supported_events = 0x1  # no nvmlEventTypeXidCriticalError
-    config.gpus[0].xids.append((48, 0))
+    config.gpus[0].xids.append((48, 5))  # delivered by the sixth wait
     async with agent_on(fake_nvml, config) as run:
         await eventually(lambda: run.check(7, "xid").state == "not_supported")
         await eventually(lambda: run.check(0, "xid").state == "unhealthy")
@@ -369,3 +369,27 @@ async def test_unknown_nvml_errors_make_a_check_unknown_not_a_crash(fake_nvml: F
     assert "Unknown Error" in (checks["remapped_rows"].reason or "")
     assert checks["persistence"].state == "not_supported"
     assert snap.gpus[2].state == "healthy"
+
+
+async def test_an_xid_of_a_gpu_lost_at_start_is_seen_once_it_returns(fake_nvml: FakeNvml) -> None:
+    config = fakenvml.h100x8()
+    config.gpus[1].lost = True
+    config.gpus[1].xids.append((95, 0))
+    async with agent_on(fake_nvml, config, expected_gpu_count=8) as run:
+        lost = await eventually(lambda: run.check(1, "lost"))
+        assert lost.state == "unhealthy"
+        assert run.agent.health.snapshot().gpus[1].uuid == "unknown-gpu-1"  # never read yet
+        assert run.agent.health.snapshot().node_checks["gpu_count"].state == "unhealthy"
+        config.gpus[1].lost = False
+        fake_nvml.apply(config)
+        await eventually(lambda: run.check(1, "xid").state == "unhealthy")
+        gpu1 = run.agent.health.snapshot().gpus[1]
+        assert gpu1.uuid == config.gpus[1].uuid and gpu1.checks["lost"].state == "healthy"
+        records = await run.settled_health(5)
+        assert sorted((r["uuid"] or "", r["check"], r["state"]) for r in records) == [
+            ("", "gpu_count", "healthy"),
+            ("", "gpu_count", "unhealthy"),
+            (config.gpus[1].uuid, "lost", "healthy"),
+            (config.gpus[1].uuid, "xid", "unhealthy"),
+            ("unknown-gpu-1", "lost", "unhealthy"),
+        ]

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import orjson
+import pynvml
 import pytest
 
 from gpuid_agent.agent import Agent
@@ -156,3 +157,32 @@ async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own()
     on_xid_thread = {n for n, threads in seen.items() if "nvml-xid" in threads}
     assert on_xid_thread <= event_calls | {"handle_by_index", "device_count", "device_key"}
     assert all(t.startswith("nvml") for threads in seen.values() for t in threads), seen
+
+
+async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> None:
+    failures = ["nvml", "bug"]
+    created = []
+
+    class Flaky(SimulatedNvml):
+        def event_set_create(self) -> Any:
+            created.append(1)
+            return super().event_set_create()
+
+        def event_set_wait(self, event_set: Any, timeout_ms: int) -> Any:
+            if failures:
+                kind = failures.pop(0)
+                if kind == "nvml":
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+                raise RuntimeError("a bug in the wait path")
+            return super().event_set_wait(event_set, timeout_ms)
+
+    api = Flaky("h100x8", "node-a")
+    s = settings(simulate="h100x8")
+    async with running_agent(
+        Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    ) as agent:
+        agent.xid._retry_after = 0.01  # keep the pause after the NVML error short
+        await eventually(lambda: not failures and agent.xid.alive and len(created) >= 3)
+        api.inject_xid(4, 64)
+        await eventually(lambda: agent.health.snapshot().gpus[4].state == "unhealthy")
+        assert agent.health.snapshot().gpus[4].action == "hardware_inspection"

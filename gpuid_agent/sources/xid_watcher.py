@@ -65,12 +65,16 @@ class XidWatcher:
         return self._thread is not None and self._thread.is_alive()
 
     def watch(self, targets: Mapping[int, str]) -> None:
-        """Watch these GPUs ({index: uuid}); starts the thread on first use."""
+        """Watch these GPUs ({index: uuid}); starts the thread on first use, and again should
+        it have died (each call is one collection later, so a broken thread cannot spin)."""
         with self._lock:
             self._targets = dict(targets)
-        if self._thread is None and self.unavailable is None:
-            self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
-            self._thread.start()
+        if self.alive or self.unavailable is not None or self._stop.is_set():
+            return
+        if self._thread is not None:
+            _log.warning("restarting the XID thread")
+        self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
+        self._thread.start()
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to finish; True when it did within `timeout` seconds."""
@@ -88,6 +92,12 @@ class XidWatcher:
             _log.warning(message, extra=extra)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not end XID watching for good
+            _log.exception("the XID thread failed")
+
+    def _loop(self) -> None:
         event_set: Any = None
         registered: dict[Hashable, tuple[int, str]] = {}
         retry_at: dict[int, float] = {}
