@@ -350,10 +350,23 @@ async def test_fabric_v2_structure_on_drivers_without_the_health_summary(
     fake_nvml: FakeNvml,
 ) -> None:
     gb200 = fakenvml.gb200x4()
+    for gpu in gb200.gpus:
+        gpu.fabric_max_version = 2  # a driver that predates the v3 structure
+        gpu.fabric_health_summary = 2  # "unhealthy", but a v2 caller never sees it
     gb200.gpus[0].fabric_state = 2  # registration still in progress
+    gb200.gpus[3].fabric_health_mask = 1  # degraded bandwidth: the mask is in v2 already
     snap = await _health_of(fake_nvml, gb200, str(fake_nvml.lib_path))
-    assert snap.gpus[0].checks["fabric"].state == "degraded"
+    assert [g.checks["fabric"].state for g in snap.gpus] == [
+        "degraded",
+        "healthy",
+        "healthy",
+        "degraded",
+    ]
     assert "in progress" in (snap.gpus[0].checks["fabric"].reason or "")
+    assert "bandwidth" in (snap.gpus[3].checks["fabric"].reason or "")
+    gb200.gpus[1].fabric_max_version = 3  # a v3 driver reports the summary
+    snap = await _health_of(fake_nvml, gb200, str(fake_nvml.lib_path))
+    assert snap.gpus[1].checks["fabric"].state == "unhealthy"
     h100 = await _health_of(fake_nvml, fakenvml.h100x8(), str(fake_nvml.lib_path))
     assert {g.checks["fabric"].state for g in h100.gpus} == {"not_supported"}
 
