@@ -26,6 +26,7 @@ from gpuid_agent.server import build_app
 from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.exporters.base import Exporter
 from gpuid_agent.sinks.health_records import HealthPublisher, health_records
+from gpuid_agent.sinks.node_conditions import NodeConditionWriter
 from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
 from gpuid_agent.sources.health_nvml import HealthReader
@@ -198,8 +199,11 @@ class Agent:
         # when EXPECTED_GPU_COUNT is -1.
         self.allocatable_gpu_count: Callable[[], int | None] = lambda: None
         self._loop: asyncio.AbstractEventLoop | None = None
-        if settings.node_conditions:
-            _log.warning("NODE_CONDITIONS is not supported by this build yet; no Node conditions")
+        self.conditions = (
+            NodeConditionWriter(self.node, self.board, kube_api=settings.kube_api)
+            if settings.node_conditions
+            else None
+        )
 
     def _expected_gpus(self) -> tuple[int | None, str]:
         if self.settings.expected_gpu_count >= 0:
@@ -230,6 +234,8 @@ class Agent:
         else:
             self.board.set("health", "ok")
         self._publish_health(transitions)
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
 
     def _xid_from_thread(self, event: XidEvent) -> None:
         loop = self._loop
@@ -240,6 +246,8 @@ class Agent:
 
     def _on_xid(self, event: XidEvent) -> None:
         self._publish_health(self.health.record_xid(event))
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
         if self.inventory is not None:
             self._rendered = gpu_metrics.render(
                 self.inventory, self.samples, self.settings.metrics_naming, self.health.snapshot()
@@ -349,6 +357,8 @@ class Agent:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
         self.supervisor.spawn("health-records", self.health_publisher.run())
+        if self.conditions is not None and await self.conditions.open():
+            self.supervisor.spawn("node-conditions", self.conditions.run())
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(
             "agent started",
@@ -385,6 +395,8 @@ class Agent:
         await self.supervisor.stop()
         for worker in self.pipeline.workers:
             await worker.exporter.close()
+        if self.conditions is not None:
+            await self.conditions.close()
         await self.nvml.close()
         if self._runner is not None:
             await self._runner.cleanup()
