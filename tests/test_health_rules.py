@@ -534,3 +534,53 @@ def test_fault_specs() -> None:
     ]
     with pytest.raises(ValueError, match=r"unknown fault kind 'melt'.*bad fault 'gpu2'"):
         parse_faults(["melt:gpu1", "gpu2"])
+
+
+def test_health_records_have_the_reading_envelope_and_a_stable_id() -> None:
+    from gpuid_agent.inventory import build_inventory
+    from gpuid_agent.model import PlatformInfo
+    from gpuid_agent.sinks.health_records import health_records
+
+    clock = Clock()
+    tracker = _tracker(clock)
+    platform = PlatformInfo("CHASSIS1", 1, 2, 3, 0, 1)
+    gpus = [GpuIdentity(index=0, uuid="GPU-0", serial="S0", platform=platform)]
+    inventory = build_inventory(
+        gpus,
+        node="n",
+        cluster="c",
+        machine="m",
+        machine_source="dmi",
+        driver_version="570",
+        cuda_driver_version=None,
+        read_time=clock.wall(),
+    )
+    tracker.observe(gpus, {0: _signals(0)}, {})
+    clock.t += 1
+    transitions = tracker.observe(gpus, {0: _signals(0, persistence_mode=0)}, {}, expected_gpus=2)
+    first = health_records(transitions, inventory, source="ns/pod")
+    again = health_records(transitions, inventory, source="ns/pod")
+    assert first == again and len({r["record_id"] for r in first}) == 2
+    gpu = next(r for r in first if r["check"] == "persistence")
+    node = next(r for r in first if r["check"] == "gpu_count")
+    assert {k: gpu[k] for k in ("schema_version", "kind", "cluster", "node", "machine")} == {
+        "schema_version": 1,
+        "kind": "health",
+        "cluster": "c",
+        "node": "n",
+        "machine": "m",
+    }
+    assert (gpu["gpu"], gpu["chassis"], gpu["uuid"], gpu["source"]) == (
+        "S0",
+        "CHASSIS1",
+        "GPU-0",
+        "ns/pod",
+    )
+    assert (gpu["state"], gpu["previous_state"], gpu["action"]) == ("degraded", "healthy", "none")
+    assert gpu["read_time"] == gpu["since"] == "2025-01-01T00:00:01.000Z"
+    assert (node["uuid"], node["gpu"], node["chassis"], node["previous_state"]) == (
+        None,
+        "",
+        "",
+        None,
+    )

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pynvml
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.errors import ConfigError
@@ -186,3 +187,22 @@ async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> Non
         api.inject_xid(4, 64)
         await eventually(lambda: agent.health.snapshot().gpus[4].state == "unhealthy")
         assert agent.health.snapshot().gpus[4].action == "hardware_inspection"
+
+
+async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
+    api = SimulatedNvml("h100x8", "node-a")
+    s = settings(simulate="h100x8", metrics_naming="dcgm")
+    async with running_agent(
+        Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    ) as agent:
+        await eventually(lambda: agent.xid.alive and agent.health.snapshot().gpus)
+        await eventually(lambda: b"gpuid_gpu_health_state" in agent.gpu_metrics().text)
+        api.inject_xid(3, 48)
+        await eventually(lambda: agent.health.snapshot().gpus[3].last_xid == 48)
+        families = {
+            f.name: f for f in text_string_to_metric_families(agent.gpu_metrics().text.decode())
+        }
+        last = {s.labels["gpu"]: s.value for s in families["DCGM_FI_DEV_XID_ERRORS"].samples}
+        assert last["3"] == 48 and last["0"] == 0
+        states = families["gpuid_gpu_health_state"].samples
+        assert all("UUID" in s.labels and "modelName" in s.labels for s in states)
