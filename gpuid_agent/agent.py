@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import os
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from gpuid_agent import __version__, log
+from gpuid_agent.attribution import Attribution, count_allocatable_gpus
 from gpuid_agent.attribution.service import Attributor
 from gpuid_agent.config import Settings
 from gpuid_agent.errors import NvmlUnavailableError
+from gpuid_agent.health.model import Transition
+from gpuid_agent.health.tracker import HealthTracker
 from gpuid_agent.inventory import build_inventory
 from gpuid_agent.metrics import AgentMetrics
 from gpuid_agent.model import GpuSample, NodeInventory
@@ -26,16 +31,21 @@ from gpuid_agent.server import build_app
 from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.sinks.exporters.base import Exporter
+from gpuid_agent.sinks.health_records import HealthPublisher, health_records
+from gpuid_agent.sinks.node_conditions import NodeConditionWriter
 from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
+from gpuid_agent.sources.health_nvml import HealthReader
+from gpuid_agent.sources.health_signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.machine import local_machine_id
-from gpuid_agent.sources.nvml import NvmlSource
+from gpuid_agent.sources.nvml import NvmlReading, NvmlSource, with_health_fields
 from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
 from gpuid_agent.sources.podresources import (
     PodResourcesClient,
     PodResourcesSource,
     ResourceMatcher,
 )
+from gpuid_agent.sources.xid_watcher import XidWatcher
 from gpuid_agent.status import StatusBoard
 from gpuid_agent.supervisor import Supervisor
 
@@ -47,7 +57,7 @@ def make_nvml_api(settings: Settings) -> NvmlApi:
     if settings.simulate:
         from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 
-        return SimulatedNvml(settings.simulate, settings.effective_node_name())
+        return SimulatedNvml(settings.simulate, settings.effective_node_name(), settings.fault)
     return PynvmlApi(settings.nvml_library_path)
 
 
@@ -94,6 +104,7 @@ class Agent:
             if settings.pod_name
             else f"gpuid-agent/{self.node}"
         )
+        self.source = source
         self.emitter = ReadingEmitter(
             source=source,
             heartbeat_interval=settings.heartbeat_interval,
@@ -105,9 +116,12 @@ class Agent:
         self.samples: dict[str, GpuSample] = {}
         self._rendered = gpu_metrics.EMPTY
         self._render_lock = asyncio.Lock()
+        self._render_seq = self._installed_seq = 0
+        self._health_inventory: NodeInventory | None = None
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
         self.started_at = datetime.now(UTC)
+        self._init_health()
         self.board.set("nvml", "starting")
         for worker in self.pipeline.workers:
             self.board.set(f"exporter:{worker.name}", "ok")
@@ -151,26 +165,55 @@ class Agent:
         (together with its render, so a visible inventory always has its metrics).
 
         Rendering thousands of per-pod series takes long enough to stall scrapes: it runs in
-        a thread, one render at a time, so a later render always installs later state. The
-        trail gets the mapping once pod metadata is in, so allocation ids carry the pod UID
-        from the first record."""
+        a thread, one render at a time. The trail gets the mapping once pod metadata is in,
+        so allocation ids carry the pod UID from the first record."""
         async with self._render_lock:
             if inventory is None:
                 inventory, samples = self.inventory, self.samples
             attribution = self.attributor.refresh(inventory)
             if inventory is None:
                 return
-            self._rendered = await asyncio.to_thread(
-                gpu_metrics.render,
-                inventory,
-                samples or {},
-                self.settings.metrics_naming,
-                attribution,
-                self.render_options,
-            )
-            self.inventory, self.samples = inventory, samples or {}
+            samples = samples or {}
+            self._render_seq += 1
+            seq = self._render_seq
+            rendered = await asyncio.to_thread(self._renderer(inventory, samples, attribution))
+            self.inventory, self.samples = inventory, samples
+            if not self._install(seq, rendered):
+                self.attributor.request_refresh()  # a newer render used older inputs: redo
             if self.attributor.pods_ready:
                 self.trail.offer(attribution, inventory)
+
+    def _renderer(
+        self, inventory: NodeInventory, samples: dict[str, GpuSample], attribution: Attribution
+    ) -> Callable[[], gpu_metrics.RenderedMetrics]:
+        return functools.partial(
+            gpu_metrics.render,
+            inventory,
+            samples,
+            self.settings.metrics_naming,
+            self.health.snapshot(),
+            attribution=attribution,
+            options=self.render_options,
+        )
+
+    def _install(self, seq: int, rendered: gpu_metrics.RenderedMetrics) -> bool:
+        """Serve `rendered` unless a render started later was installed already."""
+        if seq < self._installed_seq:
+            return False
+        self._installed_seq, self._rendered = seq, rendered
+        return True
+
+    def _render_now(self) -> None:
+        """Render on the loop, for rare events that must show at once (an XID)."""
+        if self.inventory is None:
+            return
+        self._render_seq += 1
+        render = self._renderer(self.inventory, self.samples, self.attributor.current)
+        self._install(self._render_seq, render())
+
+    def _kubelet_gpu_count(self) -> int | None:
+        """GPUs the kubelet can allocate (None without GetAllocatableResources)."""
+        return count_allocatable_gpus(self.pod_resources.current(), self.inventory)
 
     async def _attribution_loop(self) -> None:
         while True:
@@ -226,7 +269,10 @@ class Agent:
             cuda_driver_version=reading.cuda_driver_version,
             read_time=datetime.now(UTC),
         )
-        await self._refresh_attribution(inventory, reading.samples)
+        signals = await self._check_health(inventory, reading)
+        # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too
+        samples = with_health_fields(reading.samples, signals.values())
+        await self._refresh_attribution(inventory, samples)
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:
@@ -255,6 +301,104 @@ class Agent:
                 cap = min(NVML_BACKOFF_MAX, self.settings.collect_interval * 2.0**failures)
                 delay = random.uniform(cap / 2, cap)
             await asyncio.sleep(delay)
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def _init_health(self) -> None:
+        settings = self.settings
+        self.health = HealthTracker(window=settings.health_window, xid_hold=settings.xid_hold)
+        self.health_reader = HealthReader(self.nvml.reader.api)
+        self.health_publisher = HealthPublisher(self.pipeline.publish)
+        # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
+        # long stopping the XID thread takes.
+        wait_ms = int(min(1000.0, max(50.0, settings.collect_interval * 1000)))
+        self.xid = XidWatcher(self.nvml.reader.api, self._xid_from_thread, wait_ms=wait_ms)
+        # The kubelet's allocatable GPU count, when a pod-resources client provides it; used
+        # when EXPECTED_GPU_COUNT is -1.
+        self.allocatable_gpu_count: Callable[[], int | None] = self._kubelet_gpu_count
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.conditions = (
+            NodeConditionWriter(self.node, self.board, kube_api=settings.kube_api)
+            if settings.node_conditions
+            else None
+        )
+
+    def _expected_gpus(self) -> tuple[int | None, str]:
+        if self.settings.expected_gpu_count >= 0:
+            return self.settings.expected_gpu_count, "EXPECTED_GPU_COUNT"
+        return self.allocatable_gpu_count(), "kubelet allocatable"
+
+    async def _check_health(
+        self, inventory: NodeInventory, reading: NvmlReading
+    ) -> dict[int, GpuHealthSignals]:
+        # XID records between now and this inventory's render name GPUs from it
+        self._health_inventory = inventory
+        readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
+        try:
+            signals = await self.nvml.run(lambda: self.health_reader.read(readable))
+        except Exception as exc:  # a health bug must not stop collection
+            self.board.set("health", "degraded", f"health read failed: {exc!r}")
+            return {}
+        self._loop = asyncio.get_running_loop()
+        self.xid.watch(readable)
+        expected, source = self._expected_gpus()
+        transitions = self.health.observe(
+            inventory.gpus,
+            signals,
+            reading.lost,
+            expected_gpus=expected,
+            expected_source=source,
+            xid_unsupported=self.xid.unsupported,
+            xid_unavailable=self.xid.unavailable,
+        )
+        if self.xid.unavailable:
+            self.board.set("health", "degraded", self.xid.unavailable)
+        else:
+            self.board.set("health", "ok")
+        self._publish_health(transitions, inventory)
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
+        return signals
+
+    def _xid_from_thread(self, event: XidEvent) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            # the loop may close between the check and the call
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._on_xid, event)
+
+    def _on_xid(self, event: XidEvent) -> None:
+        self._publish_health(self.health.record_xid(event))
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
+        self._render_now()
+
+    def _publish_health(
+        self, transitions: list[Transition], inventory: NodeInventory | None = None
+    ) -> None:
+        inventory = inventory or self._health_inventory
+        if not transitions or inventory is None:
+            return
+        for t in transitions:
+            level = 30 if t.current.state in ("degraded", "unhealthy") else 20
+            _log.log(
+                level,
+                f"GPU health: {t.check} is {t.current.state}",
+                extra={
+                    "gpu": t.index,
+                    "uuid": t.uuid,
+                    "check": t.check,
+                    "previous": t.previous.state if t.previous else None,
+                    "reason": t.current.reason,
+                    "action": t.current.action,
+                },
+            )
+        self.health_publisher.offer(health_records(transitions, inventory, source=self.source))
+
+    async def _stop_xid(self, within: float) -> None:
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.xid.stop, within):
+            _log.warning("XID thread still waiting at shutdown")
 
     # ---- AgentView for the server ----------------------------------------------------------
 
@@ -291,6 +435,7 @@ class Agent:
             "ready": ready,
             "problems": problems,
             "components": self.board.as_dict(),
+            "health": self.health.snapshot().as_dict(),
             "inventory": None
             if inventory is None
             else {
@@ -340,6 +485,9 @@ class Agent:
         self.supervisor.spawn("allocations", self.trail.run())
         self.supervisor.spawn("pod-resources", self.pod_resources.run())
         self.supervisor.spawn("attribution", self._attribution_loop())
+        self.supervisor.spawn("health-records", self.health_publisher.run())
+        if self.conditions is not None and await self.conditions.open():
+            self.supervisor.spawn("node-conditions", self.conditions.run())
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(
             "agent started",
@@ -357,9 +505,11 @@ class Agent:
         grace = self.settings.shutdown_grace
         deadline = time.monotonic() + grace
         await self.supervisor.stop("collector", "pod-resources", "attribution")
+        await self._stop_xid(max(0.0, deadline - time.monotonic()))
         self.emitter.stop()
+        self.health_publisher.stop()
         self.trail.stop()
-        for name in ("emitter", "allocations"):
+        for name in ("emitter", "health-records", "allocations"):
             if not await self.supervisor.wait(name, max(0.0, deadline - time.monotonic())):
                 await self.supervisor.stop(name)
         for worker in self.pipeline.workers:
@@ -374,6 +524,8 @@ class Agent:
         await self.supervisor.stop()
         for worker in self.pipeline.workers:
             await worker.exporter.close()
+        if self.conditions is not None:
+            await self.conditions.close()
         await self.nvml.close()
         await self.pod_resources.client.close()
         await self._stop_simulated_kubelet()

@@ -33,13 +33,16 @@ from tests.conftest import settings as agent_settings
 from tests.fakenvml.fixtures import FakeNvml
 
 NOT_SUPPORTED = fakenvml.NVML_ERROR_NOT_SUPPORTED
-NEW_KEYS = {
+# sample key → FakeGpu field; the reader's own, then those taken from the health read
+READER_KEYS = {
     "enc_util": "util_enc",
     "dec_util": "util_dec",
     "energy_mj": "energy_mj",
     "sm_clock_mhz": "clock_sm",
     "mem_clock_mhz": "clock_mem",
     "pcie_replay": "pcie_replay",
+}
+HEALTH_KEYS = {
     "ecc_sbe_volatile": "ecc_vol_corr",
     "ecc_dbe_volatile": "ecc_vol_uncorr",
     "ecc_sbe_aggregate": "ecc_agg_corr",
@@ -50,6 +53,7 @@ NEW_KEYS = {
     "row_remap_failure": "remap_failure",
     "clock_event_reasons": "clocks_event_reasons",
 }
+NEW_KEYS = READER_KEYS | HEALTH_KEYS
 
 
 def distinct_gpu(i: int) -> fakenvml.FakeGpu:
@@ -79,43 +83,26 @@ async def test_new_fields_read_through_pynvml(fake_nvml: FakeNvml) -> None:
     assert reading.errors == 0
     for gpu in config.gpus:
         values = reading.samples[gpu.uuid].values
-        for key, fake_key in NEW_KEYS.items():
+        for key, fake_key in READER_KEYS.items():
             assert values[key] == getattr(gpu, fake_key), key
+        assert not set(HEALTH_KEYS) & set(values)  # read once, by the health reader
 
 
 async def test_unsupported_fields_are_absent_not_errors(fake_nvml: FakeNvml) -> None:
     bare = distinct_gpu(0)
-    for fake_key in NEW_KEYS.values():
+    for fake_key in READER_KEYS.values():
         setattr(bare, fake_key, None)  # unset: the call answers NOT_SUPPORTED
     partial = distinct_gpu(1)
     partial.errors = {
         "nvmlDeviceGetTotalEnergyConsumption": NOT_SUPPORTED,
-        "nvmlDeviceGetRemappedRows": NOT_SUPPORTED,
+        "nvmlDeviceGetEncoderUtilization": NOT_SUPPORTED,
     }
     config = fakenvml.FakeNvmlConfig(gpus=[bare, partial])
     reading = await read(fake_nvml, config)
     assert reading.errors == 0
-    assert not set(NEW_KEYS) & set(reading.samples[bare.uuid].values)
-    left = set(reading.samples[partial.uuid].values) & set(NEW_KEYS)
-    assert left == set(NEW_KEYS) - {
-        "energy_mj",
-        "remapped_rows_correctable",
-        "remapped_rows_uncorrectable",
-        "row_remap_pending",
-        "row_remap_failure",
-    }
-
-
-async def test_clock_event_reasons_on_a_driver_with_only_the_old_name(
-    fake_nvml: FakeNvml,
-) -> None:
-    lib = fake_nvml.build(omit=["nvmlDeviceGetCurrentClocksEventReasons"])
-    fake_nvml.load(lib)
-    config = fakenvml.FakeNvmlConfig(gpus=[distinct_gpu(0)])
-    reading = await read(fake_nvml, config, str(lib))
-    assert reading.samples[config.gpus[0].uuid].values["clock_event_reasons"] == float(
-        0x10000000104
-    )
+    assert not set(READER_KEYS) & set(reading.samples[bare.uuid].values)
+    left = set(reading.samples[partial.uuid].values) & set(READER_KEYS)
+    assert left == set(READER_KEYS) - {"energy_mj", "enc_util"}
 
 
 async def scrape(agent: Agent) -> dict[str, Any]:
@@ -131,6 +118,9 @@ async def test_fields_in_both_namings(fake_nvml: FakeNvml, naming: str) -> None:
     config = fakenvml.FakeNvmlConfig(gpus=[distinct_gpu(0), distinct_gpu(1)])
     bare = distinct_gpu(2)
     bare.util_enc = bare.util_dec = bare.pcie_replay = None  # GPU 2 lacks these
+    bare.remap_corr = bare.remap_unc = bare.remap_pending = bare.remap_failure = None
+    bare.ecc_agg_corr = bare.ecc_agg_uncorr = None
+    bare.ecc_vol_corr = bare.ecc_vol_uncorr = None
     config.gpus.append(bare)
     fake_nvml.apply(config)
     s = agent_settings(metrics_naming=naming)
@@ -173,7 +163,7 @@ async def test_fields_in_both_namings(fake_nvml: FakeNvml, naming: str) -> None:
 
 def test_every_nvml_call_exists_in_both_backends() -> None:
     calls = [n for n, _ in inspect.getmembers(NvmlApi, inspect.isfunction) if not n.startswith("_")]
-    assert "clock_event_reasons" in calls
+    assert {"clocks_event_reasons", "total_energy_mj", "pcie_replay_count"} <= set(calls)
     for backend in (PynvmlApi, SimulatedNvml):
         missing = [n for n in calls if not callable(getattr(backend, n, None))]
         assert not missing, backend.__name__
@@ -185,7 +175,8 @@ def test_simulated_node_reports_every_field() -> None:
     reading = NvmlReader(api).read({})
     assert reading.errors == 0
     whole = next(g for g in reading.gpus if not g.mig_devices)
-    assert {f.key for f in gpu_metrics.FIELDS} <= set(reading.samples[whole.uuid].values)
+    want = {f.key for f in gpu_metrics.FIELDS} - set(HEALTH_KEYS)
+    assert want <= set(reading.samples[whole.uuid].values)
     mig_gpu = next(g for g in reading.gpus if g.mig_devices)
     assert "gpu_util" not in reading.samples[mig_gpu.uuid].values  # not on MIG-enabled GPUs
     for mig in mig_gpu.mig_devices:
@@ -253,7 +244,9 @@ def test_hostile_pod_values_render_and_parse_back(
         workload_labels=True, pod_labels=gpu_metrics.pod_label_columns(allow)
     )
     sample = GpuSample(uuid, {"temperature_celsius": 40.0})
-    rendered = gpu_metrics.render(inventory, {uuid: sample}, naming, attribution, options)
+    rendered = gpu_metrics.render(
+        inventory, {uuid: sample}, naming, attribution=attribution, options=options
+    )
     families = {f.name: f for f in text_string_to_metric_families(rendered.text.decode())}
     name = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "gpuid_gpu_allocation_info"
     series = families[name].samples

@@ -8,6 +8,7 @@ from gpuid_agent.attribution.mapping import (
     Holder,
     Unmapped,
     attribute,
+    count_allocatable_gpus,
     make_holder,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "Holder",
     "Unmapped",
     "attribute",
+    "count_allocatable_gpus",
     "make_holder",
 ]

@@ -206,3 +206,35 @@ def _by_device(allocations: Iterable[Allocation]) -> dict[str, tuple[Holder, ...
 
 def _unmapped(a: DeviceAssignment, reason: str) -> Unmapped:
     return Unmapped(a.namespace, a.pod, a.container, a.resource_name, a.device_id, reason)
+
+
+def count_allocatable_gpus(
+    snapshot: PodResourcesSnapshot | None, inventory: NodeInventory | None
+) -> int | None:
+    """Physical GPUs the kubelet can hand out: replicas of one GPU count once, MIG devices
+    count as their parent. Ids of GPUs NVML does not show (fallen off the bus) still count,
+    which is the point: the kubelet's count is the one to compare NVML's with."""
+    if snapshot is None or snapshot.allocatable is None:
+        return None
+    index = DeviceIndex(inventory) if inventory is not None else None
+    gpus: set[tuple[str, object]] = set()
+    for _, device_id in snapshot.allocatable:
+        try:
+            ref = parse_device_id(device_id)
+        except DeviceIdError:
+            continue
+        if index is not None:
+            try:
+                gpus.add(("uuid", index.resolve(ref)[0].uuid))
+                continue
+            except DeviceIdError:
+                pass
+        if ref.gpu_uuid is not None:
+            gpus.add(("uuid", ref.gpu_uuid.lower()))
+        elif ref.gpu_index is not None:
+            gpus.add(("index", ref.gpu_index))
+        elif ref.gpu_minor is not None:
+            gpus.add(("minor", ref.gpu_minor))
+        else:  # a MIG UUID of a GPU NVML does not show: one GPU at least
+            gpus.add(("mig", ref.mig_uuid))
+    return len(gpus)

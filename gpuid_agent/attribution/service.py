@@ -4,8 +4,6 @@ once per change of their set."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import Counter as Tally
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +35,9 @@ class Attributor:
         self.current: Attribution = UNAVAILABLE
         self._unmapped: frozenset[Unmapped] = frozenset()
         self._reasons: set[str] = set()
+        # One event for every input: the kubelet poller sets it, and so does the pod cache
+        # (built with `changed=attributor.changed`).
+        self.changed = source.changed
         r = registry or CollectorRegistry(auto_describe=True)
         self._unmapped_now = Gauge(
             "gpuid_attribution_unmapped_devices",
@@ -107,22 +108,14 @@ class Attributor:
         elif not unmapped:
             _log.info("all kubelet device ids attributed again")
 
+    def request_refresh(self) -> None:
+        """Wake `wait_changed` although no source changed (other inputs of the render did)."""
+        self.changed.set()
+
     async def wait_changed(self) -> None:
-        """Return once the kubelet mapping or the pod metadata changed."""
-        events = [self.source.changed]
-        if self.pods is not None:
-            events.append(self.pods.changed)
-        if not any(e.is_set() for e in events):
-            waiters = [asyncio.ensure_future(e.wait()) for e in events]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await w
-        for e in events:
-            e.clear()
+        """Return once the kubelet mapping or the pod metadata changed, or on request."""
+        await self.changed.wait()
+        self.changed.clear()
 
     def status(self) -> dict[str, Any]:
         current = self.current

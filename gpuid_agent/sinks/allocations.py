@@ -300,7 +300,8 @@ class AllocationTrail:
         bounds when an allocation that vanished meanwhile was last known to be open."""
         while not self._stopping:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=STATE_REFRESH)
+                async with asyncio.timeout(STATE_REFRESH):  # not wait_for: 3.11's can eat a cancel
+                    await self._wake.wait()
             except TimeoutError:
                 if self.open and not self._first:
                     await self._save()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -20,6 +20,7 @@ import pynvml
 from gpuid_agent import log
 from gpuid_agent.errors import NvmlUnavailableError
 from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
+from gpuid_agent.sources.health_signals import GpuHealthSignals
 from gpuid_agent.sources.nvml_api import Handle, NvmlApi
 
 T = TypeVar("T")
@@ -34,17 +35,8 @@ _ABSENT = (
     pynvml.NVML_ERROR_NO_DATA,
 )
 LOST_CODES = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED)
-_CORRECTED, _UNCORRECTED = (
-    pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-    pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-)
-# sample key, error type, counter type (volatile: since the driver loaded; aggregate: lifetime)
-_ECC_FIELDS = (
-    ("ecc_sbe_volatile", _CORRECTED, pynvml.NVML_VOLATILE_ECC),
-    ("ecc_dbe_volatile", _UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-    ("ecc_sbe_aggregate", _CORRECTED, pynvml.NVML_AGGREGATE_ECC),
-    ("ecc_dbe_aggregate", _UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
-)
+# sample keys in the order of EccCounts and RemappedRows
+_ECC_KEYS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate")
 _REMAP_KEYS = (
     "remapped_rows_correctable",
     "remapped_rows_uncorrectable",
@@ -183,7 +175,9 @@ class NvmlReader:
         return GpuSample(uuid=uuid, values=MappingProxyType(values))
 
     def _read_telemetry(self, index: int, handle: Handle, values: dict[str, float]) -> None:
-        """The dcgm-exporter default fields beyond the basics; each absent where unsupported."""
+        """The dcgm-exporter default fields beyond the basics; each absent where unsupported.
+        ECC, remapped rows and clock-event reasons come from the health read instead
+        (`with_health_fields`), so each NVML call is made once per collection."""
         api = self.api
         single: tuple[tuple[str, Callable[..., int], tuple[Any, ...]], ...] = (
             ("enc_util", api.encoder_utilization, ()),
@@ -192,19 +186,11 @@ class NvmlReader:
             ("sm_clock_mhz", api.clock_mhz, (pynvml.NVML_CLOCK_SM,)),
             ("mem_clock_mhz", api.clock_mhz, (pynvml.NVML_CLOCK_MEM,)),
             ("pcie_replay", api.pcie_replay_count, ()),
-            ("clock_event_reasons", api.clock_event_reasons, ()),
         )
         for key, call, args in single:
             value = self._field(index, key, call, handle, *args)
             if value is not None:
                 values[key] = float(value)
-        for key, error_type, counter_type in _ECC_FIELDS:
-            count = self._field(index, key, api.ecc_errors, handle, error_type, counter_type)
-            if count is not None:
-                values[key] = float(count)
-        rows = self._field(index, "remapped_rows", api.remapped_rows, handle)
-        if rows is not None:
-            values.update(zip(_REMAP_KEYS, map(float, rows), strict=True))
 
     def read_mig_sample(self, index: int, mig: MigDevice, handle: Handle) -> GpuSample | None:
         """Memory of one MIG device (NVML has no per-instance utilization)."""
@@ -266,6 +252,10 @@ class NvmlSource:
     async def _call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the NVML thread (for readers beside this one, such as health)."""
+        return await self._call(fn)
+
     async def init(self) -> None:
         """Initialise NVML; raises NvmlUnavailableError with the reason."""
         try:
@@ -295,3 +285,28 @@ class NvmlSource:
                 _log.debug("nvmlShutdown failed", extra={"error": str(exc)})
             self.initialised = False
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def with_health_fields(
+    samples: Mapping[str, GpuSample], signals: Iterable[GpuHealthSignals]
+) -> dict[str, GpuSample]:
+    """Samples plus the telemetry the health read already has: ECC counts, remapped rows
+    and clock-event reasons (what NVML did not report stays absent)."""
+    merged = dict(samples)
+    for signal in signals:
+        sample = merged.get(signal.uuid)
+        if sample is None:
+            continue
+        extra: dict[str, float] = {}
+        if signal.ecc is not None:
+            ecc = zip(_ECC_KEYS, signal.ecc, strict=True)
+            extra.update((key, float(count)) for key, count in ecc if count is not None)
+        if signal.remapped_rows is not None:
+            extra.update(zip(_REMAP_KEYS, map(float, signal.remapped_rows), strict=True))
+        if signal.clocks_event_reasons is not None:
+            extra["clock_event_reasons"] = float(signal.clocks_event_reasons)
+        if extra:
+            merged[signal.uuid] = GpuSample(
+                uuid=sample.uuid, values=MappingProxyType({**sample.values, **extra})
+            )
+    return merged
