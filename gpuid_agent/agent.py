@@ -45,6 +45,7 @@ from gpuid_agent.sources.podresources import (
     PodResourcesSource,
     ResourceMatcher,
 )
+from gpuid_agent.sources.pods import PodCache
 from gpuid_agent.sources.xid_watcher import XidWatcher
 from gpuid_agent.status import StatusBoard
 from gpuid_agent.supervisor import Supervisor
@@ -148,8 +149,20 @@ class Agent:
             label_allowlist=settings.pod_label_allowlist,
             registry=self.registry,
         )
+        # pod UIDs, owners and labels from the API (list+watch of this node's pods)
+        self.pods: PodCache | None = None
+        if settings.kube_api != "off":
+            self.pods = PodCache(
+                self.node,
+                board=self.board,
+                changed=self.attributor.changed,
+                label_allowlist=settings.pod_label_allowlist,
+                registry=self.registry,
+                mode=settings.kube_api,
+            )
+            self.attributor.pods = self.pods
         self.render_options = gpu_metrics.RenderOptions(
-            workload_labels=False,
+            workload_labels=self.pods is not None,
             pod_labels=gpu_metrics.pod_label_columns(settings.pod_label_allowlist),
         )
         self.trail = AllocationTrail(
@@ -447,7 +460,11 @@ class Agent:
                 "chassis": inventory.chassis_serials,
                 "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
             },
-            "attribution": {**self.attributor.status(), "trail": self.trail.status()},
+            "attribution": {
+                **self.attributor.status(),
+                "pods": None if self.pods is None else self.pods.status(),
+                "trail": self.trail.status(),
+            },
             "exporters": [
                 {
                     "name": w.name,
@@ -483,6 +500,8 @@ class Agent:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
         self.supervisor.spawn("allocations", self.trail.run())
+        if self.pods is not None and await self.pods.open():
+            self.supervisor.spawn("pods", self.pods.run())
         self.supervisor.spawn("pod-resources", self.pod_resources.run())
         self.supervisor.spawn("attribution", self._attribution_loop())
         self.supervisor.spawn("health-records", self.health_publisher.run())
@@ -504,7 +523,7 @@ class Agent:
         """Stop collecting, flush what is queued within the grace period, release everything."""
         grace = self.settings.shutdown_grace
         deadline = time.monotonic() + grace
-        await self.supervisor.stop("collector", "pod-resources", "attribution")
+        await self.supervisor.stop("collector", "pod-resources", "pods", "attribution")
         await self._stop_xid(max(0.0, deadline - time.monotonic()))
         self.emitter.stop()
         self.health_publisher.stop()
@@ -528,6 +547,8 @@ class Agent:
             await self.conditions.close()
         await self.nvml.close()
         await self.pod_resources.client.close()
+        if self.pods is not None:
+            await self.pods.close()
         await self._stop_simulated_kubelet()
         if self._runner is not None:
             await self._runner.cleanup()
