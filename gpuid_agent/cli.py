@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -127,6 +128,9 @@ def _inventory(settings: Settings, as_json: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC core logs to stderr in its own format, where the agent's lines are JSON; keep only
+    # its errors. Read once, when grpc is first imported (after this, by the agent).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command or "run"

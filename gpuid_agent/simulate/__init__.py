@@ -1,1 +1,1 @@
-"""A simulated GPU node: NVML in Python (and, later, a kubelet), for demos and benchmarks."""
+"""A simulated GPU node: NVML in Python and an in-process kubelet, for demos and benchmarks."""
