@@ -166,8 +166,10 @@ class Agent:
                 failures = 0
                 delay = self.settings.collect_interval
             else:
+                # Exponential from the collection interval, jittered so a fleet whose driver
+                # came back at once does not retry in lockstep.
                 failures += 1
-                cap = min(NVML_BACKOFF_MAX, 2.0**failures)
+                cap = min(NVML_BACKOFF_MAX, self.settings.collect_interval * 2.0**failures)
                 delay = random.uniform(cap / 2, cap)
             await asyncio.sleep(delay)
 

@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     )
     batch_size: int = Field(10, ge=1, le=100_000, description="Records per batch.")
     flush_interval: PositiveDuration = Field(
-        5.0, description="Send a partial batch after this long."
+        2.0, description="Send a partial batch after this long."
     )
     queue_size: int = Field(10_000, ge=1, description="Records buffered per exporter in memory.")
     retry_count: int = Field(2, ge=0, le=100, description="Retries per batch attempt cycle.")
