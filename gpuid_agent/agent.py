@@ -22,6 +22,7 @@ from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.server import build_app
 from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.exporters.base import Exporter
+from gpuid_agent.sinks.labels.service import NodeLabelling
 from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
 from gpuid_agent.sources.machine import local_machine_id
@@ -91,6 +92,9 @@ class Agent:
             publish=self.pipeline.publish,
         )
         self.machine, self.machine_source = self._machine_identity()
+        self.labelling = NodeLabelling(
+            settings, self.node, self.registry, self.board, self._use_machine
+        )
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self._rendered = gpu_metrics.EMPTY
@@ -106,6 +110,13 @@ class Agent:
             return f"sim-{self.node}", "simulated"
         found = local_machine_id(self.settings.dmi_product_uuid_path, self.settings.machine_id_path)
         return found if found else (self.node, "node_name")
+
+    def _use_machine(self, machine: str, source: str) -> None:
+        """A better machine id (the Node's providerID); the next snapshot carries it, so a
+        change is an inventory change with new records."""
+        if (machine, source) != (self.machine, self.machine_source):
+            _log.info("machine identity", extra={"machine": machine, "machine_source": source})
+            self.machine, self.machine_source = machine, source
 
     # ---- collection ------------------------------------------------------------------------
 
@@ -152,6 +163,7 @@ class Agent:
         else:
             self.board.set("nvml", "ok")
         self.emitter.offer(inventory)
+        self.labelling.offer(inventory)
         return True
 
     def _nvml_down(self, reason: str, stage: str) -> None:
@@ -208,6 +220,7 @@ class Agent:
             "ready": ready,
             "problems": problems,
             "components": self.board.as_dict(),
+            "labels": self.labelling.status(),
             "inventory": None
             if inventory is None
             else {
@@ -251,6 +264,7 @@ class Agent:
         for worker in self.pipeline.workers:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
+        await self.labelling.start(self.supervisor.spawn)
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(
             "agent started",
@@ -284,6 +298,7 @@ class Agent:
         for worker in self.pipeline.workers:
             await worker.exporter.close()
         await self.nvml.close()
+        await self.labelling.close()
         if self._runner is not None:
             await self._runner.cleanup()
         _log.info("agent stopped")

@@ -195,6 +195,9 @@ class Settings(BaseSettings):
         "gpuid.github.com", description="Prefix of the node labels."
     )
     label_resync_interval: PositiveDuration = Field(600.0, description="Label resync period.")
+    label_startup_jitter: Duration = Field(
+        30.0, description="Random delay (0 to this) before the first label patch."
+    )
     label_annotation: bool = Field(True, description="Also write a JSON detail annotation.")
     dmi_product_uuid_path: str = Field(
         "/sys/class/dmi/id/product_uuid", description="DMI product UUID file."
