@@ -130,6 +130,20 @@ class KubeClient:
         await self.api.close()
 
 
+def _safe_reason(exc: BaseException) -> str:
+    """Why a configuration failed, without echoing its content: kubernetes_asyncio's messages
+    name whole kubeconfig entries (tokens included) and YAML errors quote the offending line."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        problem = str(getattr(exc, "problem", "") or "syntax error")[:100]
+        return f"not valid YAML ({problem} at line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(exc, k8s_config.ConfigException):
+        return str(exc).split(" in ", 1)[0][:200]
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or ''}".rstrip(": ")
+    return type(exc).__name__
+
+
 def _kubeconfig_paths(environ: Mapping[str, str]) -> list[str]:
     listed = environ.get("KUBECONFIG", "")
     if listed:
@@ -176,7 +190,9 @@ async def create_kube_client(
             loader.load_and_set(configuration)
             api = ObservedApiClient(configuration=configuration)
         except Exception as exc:  # config errors, unreadable files, a bad CA bundle
-            raise KubeConfigError(f"in-cluster configuration unusable: {exc}") from exc
+            raise KubeConfigError(
+                f"in-cluster configuration unusable: {_safe_reason(exc)}"
+            ) from exc
         api.observer = observer
         return KubeClient(api, "in-cluster")
     paths = _existing(_kubeconfig_paths(env))
@@ -190,7 +206,9 @@ async def create_kube_client(
         )
         api = ObservedApiClient(configuration=configuration)
     except Exception as exc:  # a malformed file surfaces as yaml, key, type or value errors
-        raise KubeConfigError(f"kubeconfig {', '.join(paths)} unusable: {exc}") from exc
+        raise KubeConfigError(
+            f"kubeconfig {', '.join(paths)} unusable: {_safe_reason(exc)}"
+        ) from exc
     api.observer = observer
     _log.debug("kube client from kubeconfig", extra={"paths": paths})
     return KubeClient(api, ", ".join(paths))

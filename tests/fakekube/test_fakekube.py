@@ -18,7 +18,14 @@ from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.sources.kube_client import KubeClient, create_kube_client
-from tests.fakekube import FakeKube, ThreadedFakeKube, free_port, objects, write_kubeconfig
+from tests.fakekube import (
+    FakeKube,
+    ThreadedFakeKube,
+    free_port,
+    kubeconfig_dict,
+    objects,
+    write_kubeconfig,
+)
 from tests.fakekube.patch import json_patch, merge_patch, strategic_merge_patch
 
 
@@ -422,8 +429,16 @@ async def test_kube_client_rejects_broken_kubeconfig(tmp_path: Path) -> None:
 
     bad = tmp_path / "kc"
     bad.write_text("clusters: [not: a: valid")
-    with pytest.raises(KubeConfigError, match="unusable"):
+    with pytest.raises(KubeConfigError, match="unusable: not valid YAML"):
         await create_kube_client(environ={"KUBECONFIG": str(bad)})
+    # an entry missing a key: the library's message would quote the entry, token and all
+    config = kubeconfig_dict("http://127.0.0.1:1", token="s3cret-token-value")
+    config["users"] = [{"name": "fake", "token": "s3cret-token-value"}]
+    bad.write_text(json.dumps(config))
+    with pytest.raises(KubeConfigError) as refused:
+        await create_kube_client(environ={"KUBECONFIG": str(bad)})
+    assert "s3cret" not in str(refused.value)
+    assert "Expected key user" in str(refused.value)
 
 
 # ---- patch semantics -------------------------------------------------------------------------
