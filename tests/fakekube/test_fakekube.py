@@ -294,10 +294,11 @@ async def test_watch_resume_from_resource_version(kube: FakeKube, api: client.Ap
         "default",
         watch=True,
         resource_version=first["metadata"]["resourceVersion"],
-        timeout_seconds=1,
         _preload_content=False,
     )
-    lines = [json.loads(line) async for line in resp.content]
+    lines = [json.loads(await resp.content.readline()) for _ in range(2)]
+    kube.close_watches()
+    assert await resp.content.readline() == b""  # nothing else was replayed
     resp.release()
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in lines] == [
         ("MODIFIED", "a"),
@@ -349,12 +350,13 @@ async def test_forced_410_and_expire_open_watches(kube: FakeKube, api: client.Ap
 async def test_bookmarks_only_when_allowed(kube: FakeKube, api: client.ApiClient) -> None:
     core = client.CoreV1Api(api)
     resp = await core.list_node(watch=True, allow_watch_bookmarks=True, _preload_content=False)
-    plain = await core.list_node(watch=True, timeout_seconds=1, _preload_content=False)
+    plain = await core.list_node(watch=True, _preload_content=False)
     kube.bookmark()  # both watches are open: the client returned after the headers
     event = json.loads(await resp.content.readline())
     assert event["type"] == "BOOKMARK"
     assert event["object"]["metadata"]["resourceVersion"] == str(kube.store.rv)
-    assert await plain.content.readline() == b""  # timed out with nothing sent
+    kube.close_watches()
+    assert await plain.content.readline() == b""  # closed with nothing sent
     resp.release()
     plain.release()
 
@@ -493,3 +495,39 @@ def test_strategic_merge_directives() -> None:
     assert out["metadata"]["finalizers"] == ["a", "b"]
     assert [o["uid"] for o in out["metadata"]["ownerReferences"]] == ["2", "3"]
     assert out["spec"] == {"taints": [{"key": "k", "effect": "NoSchedule"}], "other": {"c": 3}}
+
+
+async def test_create_replace_delete_through_the_client(
+    kube: FakeKube, api: client.ApiClient
+) -> None:
+    core = client.CoreV1Api(api)
+    made = await core.create_namespaced_pod("ml", objects.pod("p", namespace="ml"))
+    assert made.metadata.namespace == "ml"
+    with pytest.raises(ApiException) as exists:
+        await core.create_namespaced_pod("ml", objects.pod("p", namespace="ml"))
+    assert _status(exists.value)["reason"] == "AlreadyExists"
+    body = kube.get("Pod", "p", "ml")
+    assert body is not None
+    body["metadata"]["labels"] = {"v": "2"}
+    await core.replace_namespaced_pod("p", "ml", body)
+    with pytest.raises(ApiException) as stale:
+        await core.replace_namespaced_pod("p", "ml", body)  # same resourceVersion again
+    assert stale.value.status == 409
+    await core.delete_namespaced_pod("p", "ml")
+    assert kube.get("Pod", "p", "ml") is None
+    assert [kube.count(v) for v in ("create", "update", "delete")] == [2, 2, 1]
+
+
+async def test_watch_selector_transitions(kube: FakeKube, api: client.ApiClient) -> None:
+    kube.create(objects.pod("a", labels={"gpu": "yes"}))
+    core = client.CoreV1Api(api)
+    resp = await core.list_namespaced_pod(
+        "default", watch=True, label_selector="gpu=yes", _preload_content=False
+    )
+    first = json.loads(await resp.content.readline())
+    kube.patch("Pod", "a", {"metadata": {"labels": {"gpu": "no"}}}, namespace="default")
+    left = json.loads(await resp.content.readline())
+    kube.patch("Pod", "a", {"metadata": {"labels": {"gpu": "yes"}}}, namespace="default")
+    back = json.loads(await resp.content.readline())
+    resp.release()
+    assert [first["type"], left["type"], back["type"]] == ["ADDED", "DELETED", "ADDED"]
