@@ -70,6 +70,7 @@ async def test_agent_labels_its_node_and_takes_machine_from_provider_id(kube: Fa
         assert {f"{P}/gpu-0", f"{P}/gpu-1"} <= set(labels)
         assert agent.machine == "i-0123456789abcdef0"
         await eventually(lambda: len(sink.records) >= 4)
+        await eventually(lambda: agent.board.is_ok("labels"))  # the PATCH answer is in
         assert {r["machine"] for r in sink.records} == {"i-0123456789abcdef0"}
         assert {r["machine_source"] for r in sink.records} == {"provider_id:aws"}
         status = await _get_json(agent, "/status")

@@ -316,9 +316,9 @@ async def test_transient_errors_back_off_then_converge(
     labeler = harness.run(harness.labeler(request_timeout=0.2))
     labeler.offer(gb200())
     await until(lambda: f"{P}/chassis" in labels_of(harness.kube))
+    await until(lambda: harness.state() == ("ok", None))  # the client has the answer too
     assert harness.value("gpuid_label_reconcile_errors_total", {"reason": reason}) >= 3
     assert harness.kube.count("patch", status=200) == 1
-    assert harness.state() == ("ok", None)
 
 
 async def test_api_down_at_start_then_up_converges(tmp_path: Path) -> None:
