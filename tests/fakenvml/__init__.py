@@ -219,6 +219,7 @@ class FakeGpu:
     fabric_health_summary: int | None = None
     fabric_clique_id: int | None = None
     fabric_cluster_uuid: str | None = None
+    fabric_max_version: int | None = None  # 2: the V call rejects the v3 structure
     supported_events: int | None = None
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)

@@ -64,6 +64,9 @@
  *   clocks_event_reasons                        64-bit mask
  *   fabric_state, fabric_status, fabric_health_mask, fabric_clique_id,
  *   fabric_health_summary
+ *   fabric_max_version  highest nvmlGpuFabricInfo structure version the V call
+ *                   accepts (default 3); 2 rejects v3 with ARGUMENT_VERSION_MISMATCH,
+ *                   as drivers that predate the health summary do
  *   fabric_cluster_uuid  UUID text (dashes allowed) -> 16 bytes
  *   supported_events     64-bit mask, default 0x1f
  *   lost            1: every call taking a handle of this GPU (or of one of
@@ -1506,7 +1509,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t devic
 struct fabric_values {
     unsigned char uuid[16];
     nvmlReturn_t status;
-    unsigned int clique, state, health_mask, health_summary;
+    unsigned int clique, state, health_mask, health_summary, max_version;
 };
 
 /* Caller holds g_lock. */
@@ -1532,6 +1535,7 @@ static nvmlReturn_t fabric_values(nvmlDevice_t device, const char *fn, struct fa
     out->clique = (unsigned int)gpu_u64_or(g, "fabric_clique_id", 0, &any);
     out->health_mask = (unsigned int)gpu_u64_or(g, "fabric_health_mask", 0, &any);
     out->health_summary = (unsigned int)gpu_u64_or(g, "fabric_health_summary", 0, &any);
+    out->max_version = (unsigned int)gpu_u64_or(g, "fabric_max_version", 3, NULL);
     return any ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
 }
 
@@ -1561,6 +1565,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device,
     if (!gpuFabricInfo) RET(NVML_ERROR_INVALID_ARGUMENT);
     unsigned int version = gpuFabricInfo->version;
     if (version != NVML_FABRIC_INFO_V2 && version != NVML_FABRIC_INFO_V3)
+        RET(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (version == NVML_FABRIC_INFO_V3 && fv.max_version < 3)
         RET(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     memcpy(gpuFabricInfo->clusterUuid, fv.uuid, 16);
     gpuFabricInfo->status = fv.status;
