@@ -108,7 +108,7 @@ def _dropped_fields(given: Any, kept: Any, path: str = "") -> list[str]:
             return [path]
         return [
             p
-            for i, (a, b) in enumerate(zip(given, kept))
+            for i, (a, b) in enumerate(zip(given, kept, strict=True))
             for p in _dropped_fields(a, b, f"{path}[{i}]")
         ]
     return []
@@ -201,7 +201,8 @@ def test_rbac_grants_nothing_beyond_what_the_agent_uses() -> None:
             allowed = ALLOWED_RULES.get((group, resource))
             assert allowed is not None, f"{name}: {group or 'core'}/{resource} is not needed"
             assert verbs <= allowed, f"{name}: {resource} verbs {verbs - allowed} not needed"
-            assert "*" not in verbs and "*" not in (group, resource)
+            assert "*" not in verbs
+            assert "*" not in (group, resource)
 
 
 def test_default_rbac_is_exactly_the_documented_list() -> None:
@@ -244,7 +245,8 @@ def test_every_container_is_hardened() -> None:
             added = ctx["capabilities"].get("add", [])
             if container["name"] == "agent":
                 assert not added, f"{name}: the agent needs no capability"
-                assert container["resources"]["requests"] and container["resources"]["limits"]
+                assert container["resources"]["requests"]
+                assert container["resources"]["limits"]
             else:
                 assert (container["name"], added) == ("spool-owner", ["CHOWN"]), name
 
@@ -353,7 +355,7 @@ def test_own_node_affinity_conflict_is_a_clear_error() -> None:
             }
         }
     }
-    with pytest.raises(helm.HelmError, match="gpuNodeAffinity.enabled=false"):
+    with pytest.raises(helm.HelmError, match=r"gpuNodeAffinity\.enabled=false"):
         render(values)
 
 
@@ -490,7 +492,8 @@ def test_monitoring_objects_follow_the_crds_the_cluster_serves() -> None:
     assert {"ServiceMonitor", "PrometheusRule"} <= operator.kinds()
     assert "PodMonitor" not in operator.kinds()
     only_rules = render({}, kube_version=newest, api_versions=[PROMETHEUS_RULE])
-    assert "ServiceMonitor" not in only_rules.kinds() and "PrometheusRule" in only_rules.kinds()
+    assert "ServiceMonitor" not in only_rules.kinds()
+    assert "PrometheusRule" in only_rules.kinds()
     pods = render(
         load_values(CHART / "ci" / "podmonitor-values.yaml"),
         kube_version=newest,
@@ -498,7 +501,8 @@ def test_monitoring_objects_follow_the_crds_the_cluster_serves() -> None:
     )
     monitor = pods.one("PodMonitor")
     paths = [e["path"] for e in monitor["spec"]["podMetricsEndpoints"]]
-    assert paths == ["/metrics", "/gpu/metrics"] and "ServiceMonitor" not in pods.kinds()
+    assert paths == ["/metrics", "/gpu/metrics"]
+    assert "ServiceMonitor" not in pods.kinds()
     off = render(
         {
             "monitoring": {
@@ -557,7 +561,8 @@ def test_dashboard_config_map_carries_the_sidecar_label_and_valid_json() -> None
     (config_map,) = [c for c in result.of_kind("ConfigMap") if "dashboard" in c["metadata"]["name"]]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(config_map["data"]["gpuid-agent.json"])
-    assert dashboard["uid"] == "gpuid-agent" and dashboard["panels"]
+    assert dashboard["uid"] == "gpuid-agent"
+    assert dashboard["panels"]
 
 
 def test_network_policy_opens_only_the_agent_port() -> None:
