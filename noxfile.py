@@ -1,4 +1,4 @@
-"""Project automation: `nox -s tests`, `nox -s lint`, `nox -s bench`, `nox -s docs`, `nox -s sbom`."""
+"""Project automation: `nox -s tests`, `lint`, `bench`, `docs`, `sbom`."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def sbom(session: nox.Session) -> None:
     session.run("python", "-m", "venv", "--clear", str(runtime))
     pip = str(runtime / "bin" / "pip")
     session.run(pip, "install", "--quiet", str(wheel), external=True)
-    session.run(pip, "uninstall", "--quiet", "--yes", "pip", "setuptools", external=True)  # as the image
+    # As in the image: nothing imports pip or setuptools at run time.
+    session.run(pip, "uninstall", "--quiet", "--yes", "pip", "setuptools", external=True)
     output = session.posargs[0] if session.posargs else "sbom.cdx.json"
     session.run(
         "cyclonedx-py",
