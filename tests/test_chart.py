@@ -20,6 +20,7 @@ from chart_render import (
     CI_VALUES,
     NAMESPACE,
     POD_MONITOR,
+    POLICY_MIN_VERSION,
     PROMETHEUS_OPERATOR,
     PROMETHEUS_RULE,
     SERVICE_MONITOR,
@@ -38,7 +39,17 @@ import gpuid_agent
 from gpuid_agent.config import Settings, env_name, load_settings
 
 VERSIONS = versions()
-CASES = [(path, version) for path in CI_VALUES for version in VERSIONS]
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+# Plus the first release that serves the own-node policy's API.
+POLICY_FIRST = "{}.{}.0".format(*POLICY_MIN_VERSION)
+CASES = [
+    (path, version) for path in CI_VALUES for version in sorted({*VERSIONS, POLICY_FIRST}, key=_key)
+]
 
 
 def _case_id(case: tuple[Any, str]) -> str:
