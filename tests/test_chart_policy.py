@@ -166,6 +166,8 @@ FORBIDDEN_EDITS = {
     "remove foreign label": lambda n: n["metadata"]["labels"].pop("team"),
     "look-alike prefix": _label("gpuid.github.com.evil/x"),
     "prefix without slash": _label("gpuid.github.comx"),
+    "prefix inside another domain": _label("evil-gpuid.github.com/x"),
+    "subdomain of the prefix": _label("sub.gpuid.github.com/x"),
     "foreign annotation": lambda n: n["metadata"]["annotations"].update({"ttl": "1"}),
     "drop all annotations": lambda n: n["metadata"].pop("annotations"),
     "spec change": lambda n: n["spec"].update({"unschedulable": True}),
@@ -201,7 +203,12 @@ def test_other_users_are_not_this_policys_business() -> None:
 
 _key_part = st.text("abcdefghijklmnopqrstuvwxyz0123456789-.", min_size=1, max_size=12)
 _labels = st.dictionaries(
-    st.one_of(_key_part.map(lambda k: PREFIX + k), _key_part, _key_part.map(lambda k: f"x.io/{k}")),
+    st.one_of(
+        _key_part.map(lambda k: PREFIX + k),
+        _key_part,
+        _key_part.map(lambda k: f"x.io/{k}"),
+        _key_part.map(lambda k: f"{k}{PREFIX}{k}"),
+    ),
     st.text("abc123", max_size=4),
     max_size=6,
 )
