@@ -154,6 +154,16 @@ def validate_object(obj: dict[str, Any], version: str) -> None:
         ) from None
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _schemas_read_once() -> Iterator[None]:
+    """kubernetes-validate re-reads its multi-megabyte definitions for every object; reading
+    each schema file once keeps this module fast without changing what is validated."""
+    with pytest.MonkeyPatch.context() as patch:
+        utils = kubernetes_validate.utils
+        patch.setattr(utils, "schema_contents", cache(utils.schema_contents))
+        yield
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_every_rendered_object_validates_strictly(case: tuple[Any, str]) -> None:
     path, version = case
