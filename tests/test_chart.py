@@ -14,7 +14,10 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-from chart_render import (
+
+import gpuid_agent
+from gpuid_agent.config import Settings, env_name, load_settings
+from tests.chart_render import (
     ADMISSION_POLICY,
     CHART,
     CI_VALUES,
@@ -34,9 +37,6 @@ from chart_render import (
     render,
     versions,
 )
-
-import gpuid_agent
-from gpuid_agent.config import Settings, env_name, load_settings
 
 VERSIONS = versions()
 

@@ -13,10 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_render import CHART, PROMETHEUS_OPERATOR, ROOT, load_values, newest_supported, render
 
 from gpuid_agent.metrics import AgentMetrics
 from gpuid_agent.sinks import gpu_metrics
+from tests.chart_render import (
+    CHART,
+    PROMETHEUS_OPERATOR,
+    ROOT,
+    load_values,
+    newest_supported,
+    render,
+)
 
 # Series a family of each type exposes (prometheus_client strips _total from counters).
 _SUFFIXES = {

@@ -14,9 +14,10 @@ from typing import Any
 
 import celpy
 import pytest
-from chart_render import ADMISSION_POLICY, NAMESPACE, render
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.chart_render import ADMISSION_POLICY, NAMESPACE, render
 
 NODE_NAME_KEY = "authentication.kubernetes.io/node-name"
 PREFIX = "gpuid.github.com/"
