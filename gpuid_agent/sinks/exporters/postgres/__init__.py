@@ -1,0 +1,246 @@
+"""PostgreSQL exporter (asyncpg): COPY into per-connection staging tables, then one
+`INSERT … SELECT … ON CONFLICT DO NOTHING` per table, all in one transaction.
+
+COPY keeps bulk speed; the conflict clause over the unique record id makes a re-sent batch (a
+retry, or a spooled batch re-sent after a crash) a no-op, so each record is stored once.
+Readings go to the gpuid-compatible readings table, allocation records to the allocations
+table (one row per allocation, its end an update of that row), anything else to the events
+table. The pool and the migration are set up on first use, so an agent started while the
+database is down comes up and delivers once it is back; connections broken by a server
+restart are dropped and replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from gpuid_agent import log
+from gpuid_agent.errors import ExportError
+from gpuid_agent.sinks.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
+from gpuid_agent.sinks.exporters.postgres import rows as rowmap
+from gpuid_agent.sinks.exporters.postgres.schema import (
+    MIGRATION_LOCK,
+    STAGE_ALLOCATIONS,
+    STAGE_EVENTS,
+    STAGE_READINGS,
+    STAGING,
+    Tables,
+    insert_events,
+    insert_readings,
+    migration,
+    upsert_allocations,
+)
+
+if TYPE_CHECKING:
+    from gpuid_agent.config import Settings
+
+__all__ = ["PostgresExporter", "Tables"]
+_log = log.get("postgres")
+
+# Errors after which the pool's connections cannot be trusted (server restarted, network cut).
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.TooManyConnectionsError,
+)
+
+
+def _classify(exc: BaseException) -> ExportError:
+    if isinstance(exc, TimeoutError):
+        return ExportError(f"PostgreSQL did not answer in time: {exc}", error_type="timeout")
+    if isinstance(
+        exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
+    ):
+        return ExportError(f"PostgreSQL refused the login: {exc}", error_type="auth")
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return ExportError(f"PostgreSQL connection failed: {exc}", error_type="connection")
+    if isinstance(exc, asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
+        return ExportError(
+            f"{exc} (create the tables, or set POSTGRES_AUTO_MIGRATE=true)", error_type="schema"
+        )
+    if isinstance(exc, asyncpg.DataError):
+        # Rows are sanitised before COPY, so this is a value the schema cannot hold at all.
+        return ExportError(
+            f"PostgreSQL refused the data: {exc}", error_type="data", retryable=False
+        )
+    if isinstance(exc, asyncpg.PostgresError):
+        state = getattr(exc, "sqlstate", None) or "unknown"
+        return ExportError(f"PostgreSQL error {state}: {exc}", error_type="postgres")
+    return ExportError(f"PostgreSQL client error: {exc!r}", error_type=type(exc).__name__)
+
+
+class PostgresExporter(Exporter):
+    name = "postgres"
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int = 5432,
+        database: str = "gpuid",
+        user: str = "gpuid",
+        password: str = "",
+        sslmode: str = "require",
+        tables: Tables | None = None,
+        auto_migrate: bool = True,
+        timeout: float = 30.0,
+        pool_size: int = 2,
+    ) -> None:
+        self._connect: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "database": database,
+            "user": user,
+            "password": password or None,
+            "ssl": sslmode,
+        }
+        self.tables = tables or Tables.named("gpu_readings", "gpu_allocations", "gpu_events")
+        self.auto_migrate = auto_migrate
+        self.timeout = timeout
+        self.pool_size = max(1, pool_size)
+        self._pool: asyncpg.Pool | None = None
+        self._migrated = False
+        self._setup = asyncio.Lock()
+        self._sql = (
+            insert_readings(self.tables),
+            upsert_allocations(self.tables),
+            insert_events(self.tables),
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PostgresExporter:
+        return cls(
+            host=settings.postgres_host,
+            port=settings.postgres_port,
+            database=settings.postgres_db,
+            user=settings.postgres_user,
+            password=settings.postgres_password.get_secret_value(),
+            sslmode=settings.postgres_sslmode,
+            tables=Tables.named(
+                settings.postgres_table,
+                settings.postgres_allocations_table,
+                settings.postgres_events_table,
+            ),
+            auto_migrate=settings.postgres_auto_migrate,
+            timeout=settings.timeout,
+        )
+
+    @staticmethod
+    async def _init_connection(conn: asyncpg.Connection) -> None:
+        for statement in STAGING:
+            await conn.execute(statement)
+
+    async def _ready(self) -> asyncpg.Pool:
+        async with self._setup:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(
+                    **self._connect,
+                    min_size=1,
+                    max_size=self.pool_size,
+                    timeout=self.timeout,
+                    command_timeout=self.timeout,
+                    max_inactive_connection_lifetime=300.0,
+                    init=self._init_connection,
+                    server_settings={"application_name": "gpuid-agent"},
+                )
+            if self.auto_migrate and not self._migrated:
+                await self.migrate(self._pool)
+                self._migrated = True
+            return self._pool
+
+    async def _schema_current(self, conn: asyncpg.Connection) -> bool:
+        """True when every table, column and unique index the exporter writes is there."""
+        t = self.tables
+        found = await conn.fetchval(
+            """SELECT count(*) FROM pg_attribute
+               WHERE attrelid = to_regclass($1) AND attname = 'attributes' AND NOT attisdropped""",
+            t.readings,
+        )
+        if not found:
+            return False
+        return bool(
+            await conn.fetchval(
+                """SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL
+                   AND EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a
+                               ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+                               WHERE i.indrelid = to_regclass($3) AND i.indisunique
+                               AND a.attname = 'record_id')""",
+                t.allocations,
+                t.events,
+                t.readings,
+            )
+        )
+
+    async def migrate(self, pool: asyncpg.Pool) -> None:
+        """Create or complete the tables. Skipped without any lock when they are current;
+        otherwise serialised across agents by a transaction-scoped advisory lock, so a fleet
+        starting at once neither races on CREATE nor queues behind ALTER TABLE needlessly."""
+        async with pool.acquire() as conn:
+            if await self._schema_current(conn):
+                return
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+                for statement in migration(self.tables):
+                    await conn.execute(statement)
+        _log.info("PostgreSQL schema migrated", extra={"tables": list(self._tables())})
+
+    def _tables(self) -> tuple[str, str, str]:
+        return (self.tables.readings, self.tables.allocations, self.tables.events)
+
+    async def _write(self, pool: asyncpg.Pool, rows: rowmap.Rows) -> None:
+        readings_sql, allocations_sql, events_sql = self._sql
+        async with pool.acquire() as conn, conn.transaction():
+            for staged, columns, sql, data in (
+                (STAGE_READINGS, rowmap.READING_COLUMNS, readings_sql, rows.readings),
+                (STAGE_ALLOCATIONS, rowmap.ALLOCATION_COLUMNS, allocations_sql, rows.allocations),
+                (STAGE_EVENTS, rowmap.EVENT_COLUMNS, events_sql, rows.events),
+            ):
+                if data:
+                    await conn.copy_records_to_table(staged, records=data, columns=columns)
+                    await conn.execute(sql)
+
+    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+        rows = rowmap.split(batch)
+        try:
+            pool = await self._ready()
+            await self._write(pool, rows)
+        except ExportError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = _classify(exc)
+            if error.error_type in ("connection", "timeout") and self._pool is not None:
+                await self._pool.expire_connections()  # reconnect on next use
+            raise error from exc
+
+    async def health(self) -> ExporterHealth:
+        """A real round trip: a connection from the pool answers SELECT 1."""
+        try:
+            pool = await self._ready()
+            async with pool.acquire(timeout=self.timeout) as conn:
+                await conn.fetchval("SELECT 1", timeout=self.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._pool is not None and isinstance(exc, _CONNECTION_ERRORS | TimeoutError):
+                await self._pool.expire_connections()
+            return ExporterHealth(ok=False, reason=str(_classify(exc)))
+        return ExporterHealth(ok=True)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), 5.0)
+            except Exception:  # a pool that cannot close politely is cut
+                pool.terminate()
