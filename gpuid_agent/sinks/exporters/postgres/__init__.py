@@ -144,7 +144,7 @@ class PostgresExporter(Exporter):
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
                     **self._connect,
-                    min_size=1,
+                    min_size=0,  # no background reconnects while the server is down
                     max_size=self.pool_size,
                     timeout=self.timeout,
                     command_timeout=self.timeout,
@@ -182,15 +182,24 @@ class PostgresExporter(Exporter):
 
     async def migrate(self, pool: asyncpg.Pool) -> None:
         """Create or complete the tables. Skipped without any lock when they are current;
-        otherwise serialised across agents by a transaction-scoped advisory lock, so a fleet
-        starting at once neither races on CREATE nor queues behind ALTER TABLE needlessly."""
+        otherwise serialised across agents by an advisory lock, so a fleet starting at once
+        neither races on CREATE nor queues behind ALTER TABLE needlessly.
+
+        The lock is taken outside the DDL transaction on purpose: waiting for an advisory lock
+        does not refresh the backend's catalog caches, so DDL in the same transaction could
+        miss a schema another agent just created; a new transaction starts with fresh ones."""
         async with pool.acquire() as conn:
             if await self._schema_current(conn):
                 return
-            async with conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-                for statement in migration(self.tables):
-                    await conn.execute(statement)
+            await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+            try:
+                if await self._schema_current(conn):
+                    return  # another agent migrated while this one waited
+                async with conn.transaction():
+                    for statement in migration(self.tables):
+                        await conn.execute(statement)
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
         _log.info("PostgreSQL schema migrated", extra={"tables": list(self._tables())})
 
     def _tables(self) -> tuple[str, str, str]:
@@ -232,7 +241,7 @@ class PostgresExporter(Exporter):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if self._pool is not None and isinstance(exc, _CONNECTION_ERRORS | TimeoutError):
+            if self._pool is not None and isinstance(exc, (*_CONNECTION_ERRORS, TimeoutError)):
                 await self._pool.expire_connections()
             return ExporterHealth(ok=False, reason=str(_classify(exc)))
         return ExporterHealth(ok=True)

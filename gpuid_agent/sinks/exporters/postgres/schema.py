@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
-# pg_advisory_xact_lock key that serialises migrations of every agent ("gpuid" in ASCII).
+# pg_advisory_lock key that serialises migrations of every agent ("gpuid" in ASCII).
 MIGRATION_LOCK = 0x6770756964
 
 STAGE_READINGS = "gpuid_stage_readings"
@@ -55,7 +55,7 @@ def _index(table: str, suffix: str) -> str:
 
 
 def migration(tables: Tables) -> list[str]:
-    """Idempotent DDL; run inside one transaction holding MIGRATION_LOCK."""
+    """Idempotent DDL; run in one transaction while holding MIGRATION_LOCK."""
     r, a, e = tables.readings, tables.allocations, tables.events
     statements: list[str] = []
     schemas = {t.split(".")[0] for t in (r, a, e) if "." in t}

@@ -1,0 +1,3 @@
+"""Shared test plugins: the real servers the exporter tests run against."""
+
+pytest_plugins = ["tests.servers.fixtures"]
