@@ -34,6 +34,7 @@ class Received:
     headers: dict[str, str]
     records: list[dict[str, Any]]
     status: int = 0
+    size: int = 0  # bytes of the decoded body
 
     @property
     def record_ids(self) -> list[str]:
@@ -52,10 +53,10 @@ class Receiver:
         self.url = ""
 
     async def _handle(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        if request.headers.get("Content-Encoding") == "gzip":
+        raw = await request.read()  # aiohttp already undoes Content-Encoding: gzip
+        if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-        entry = Received(time.monotonic(), dict(request.headers), json.loads(raw))
+        entry = Received(time.monotonic(), dict(request.headers), json.loads(raw), size=len(raw))
         self.requests.append(entry)
         reply = (self.decide(entry) if self.decide else None) or (
             self.plan.popleft() if self.plan else self.default
@@ -105,7 +106,7 @@ def main(port: int) -> None:
     async def ingest(request: web.Request) -> web.Response:
         nonlocal accepted
         raw = await request.read()
-        if request.headers.get("Content-Encoding") == "gzip":
+        if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
         accepted += len(json.loads(raw))
         return web.Response(text="ok")

@@ -46,13 +46,14 @@ EXTRA_COLUMNS = (
 )
 CSV_COLUMNS = GPUID_COLUMNS + EXTRA_COLUMNS
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_UNSAFE_SEGMENT = re.compile(r"[^A-Za-z0-9._=-]")  # prefix and partition keep Hive's `k=v`
 # Content problems S3 will never accept; anything else (auth, bucket, throttling) may heal.
 _REJECTING_CODES = frozenset({"EntityTooLarge", "InvalidDigest", "BadDigest", "InvalidArgument"})
 
 
-def key_part(value: object) -> str:
+def key_part(value: object, unsafe: re.Pattern[str] = _UNSAFE) -> str:
     """A value safe inside one key segment: no slashes, no dot-only segments, never empty."""
-    text = _UNSAFE.sub("_", str(value))[:128]
+    text = unsafe.sub("_", str(value))[:128]
     if not text.strip("."):
         text = "_" + text
     return text
@@ -64,7 +65,7 @@ def partition(pattern: str, meta: BatchMeta) -> str:
         rendered = meta.created.astimezone(UTC).strftime(pattern)
     except ValueError:
         rendered = meta.created.astimezone(UTC).strftime("year=%Y/month=%m/day=%d/hour=%H")
-    segments = [key_part(s) for s in rendered.split("/") if s.strip()]
+    segments = [key_part(s, _UNSAFE_SEGMENT) for s in rendered.split("/") if s.strip()]
     return "/".join(segments)
 
 
@@ -84,11 +85,14 @@ def _cell(value: object) -> str:
 def to_csv(records: Sequence[Record], header: bool) -> bytes:
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer, lineterminator="\n")
+    # With "\n" line ends the csv module does not quote a lone "\r"; such rows quote all.
+    quoting = csv.writer(buffer, lineterminator="\n", quoting=csv.QUOTE_ALL)
     if header:
         writer.writerow(CSV_COLUMNS)
     for record in records:
         shaped = gpuid_shape(record)
-        writer.writerow([_cell(shaped.get(c)) for c in CSV_COLUMNS])
+        cells = [_cell(shaped.get(c)) for c in CSV_COLUMNS]
+        (quoting if any("\r" in c for c in cells) else writer).writerow(cells)
     return buffer.getvalue().encode("utf-8", "replace")
 
 
@@ -114,7 +118,7 @@ class S3Exporter(Exporter):
         timeout: float = 30.0,
     ) -> None:
         self.bucket = bucket
-        self.prefix = "/".join(key_part(s) for s in prefix.split("/") if s.strip())
+        self.prefix = "/".join(key_part(s, _UNSAFE_SEGMENT) for s in prefix.split("/") if s.strip())
         self.region = region
         self.partition_pattern = partition_pattern
         self.endpoint_url = endpoint_url
