@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
 from gpuid_agent.errors import ExportError
 from gpuid_agent.sinks.exporters.base import (
     BatchMeta,
@@ -149,9 +153,6 @@ class S3Exporter(Exporter):
     async def _client(self) -> Any:
         async with self._lock:
             if self._s3 is None:
-                from aiobotocore.config import AioConfig
-                from aiobotocore.session import get_session
-
                 config = AioConfig(
                     s3={"addressing_style": "path" if self.path_style else "auto"},
                     retries={"total_max_attempts": 1},  # the pipeline retries, with backoff
@@ -213,8 +214,6 @@ class S3Exporter(Exporter):
 
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
-        from botocore.exceptions import BotoCoreError, ClientError
-
         try:
             s3 = await self._client()
             for key, body, metadata in self.objects(batch, meta):
@@ -239,8 +238,6 @@ class S3Exporter(Exporter):
             raise ExportError(f"S3 unreachable: {exc}", error_type=kind) from exc
 
     async def health(self) -> ExporterHealth:
-        from botocore.exceptions import BotoCoreError, ClientError
-
         try:
             s3 = await self._client()
             await s3.head_bucket(Bucket=self.bucket)
