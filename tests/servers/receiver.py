@@ -26,6 +26,7 @@ class Reply:
     body: str = "ok"
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
+    hold: bool = False  # answer only once `Receiver.release` is set
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Receiver:
         self.default = Reply()
         self.decide: Callable[[Received], Reply | None] | None = None
         self.changed = asyncio.Event()
+        self.release = asyncio.Event()
         self._ssl = ssl_context
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -61,8 +63,11 @@ class Receiver:
         reply = (self.decide(entry) if self.decide else None) or (
             self.plan.popleft() if self.plan else self.default
         )
+        self.changed.set()
         if reply.delay:
             await asyncio.sleep(reply.delay)
+        if reply.hold:
+            await self.release.wait()
         entry.status = reply.status
         self.changed.set()
         return web.Response(status=reply.status, text=reply.body, headers=reply.headers)
@@ -80,6 +85,7 @@ class Receiver:
         return self.url
 
     async def stop(self) -> None:
+        self.release.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
