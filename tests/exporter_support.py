@@ -34,14 +34,18 @@ def inventory(
             module_id=i + 1,
             platform=None
             if chassis is None
-            else PlatformInfo(chassis, slot_number=1, tray_index=2, host_id=1, peer_type=0, module_id=i + 1),
+            else PlatformInfo(
+                chassis, slot_number=1, tray_index=2, host_id=1, peer_type=0, module_id=i + 1
+            ),
         )
         for i, serial in enumerate(serials)
     )
     return NodeInventory(node, cluster, machine, "test", "570.1", "12.8", gpus, read_time)
 
 
-def readings(snapshots: int = 1, step: timedelta = timedelta(milliseconds=1), **kw: Any) -> list[dict[str, Any]]:
+def readings(
+    snapshots: int = 1, step: timedelta = timedelta(milliseconds=1), **kw: Any
+) -> list[dict[str, Any]]:
     """`snapshots` consecutive readings of one node (4 records each by default)."""
     start = kw.pop("read_time", BASE_TIME)
     out: list[dict[str, Any]] = []
@@ -91,7 +95,9 @@ def allocation(
     return record
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
+async def eventually(
+    check: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05
+) -> Any:
     """Poll an (async or plain) check until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while True:

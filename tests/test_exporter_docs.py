@@ -33,8 +33,12 @@ async def test_doc_recipes_run_and_answer(postgres: PostgresCluster, pg_schema: 
         # SN-MOVE: machine m1 in cluster c1 on day 1, machine m2 in cluster c2 on day 2.
         await exporter.export(
             readings(2, cluster="c1", machine="m1", serials=["SN-MOVE", "SN-STAY"])
-            + readings(1, cluster="c1", machine="m1", serials=["SN-STAY"], node="n1", read_time=day2)
-            + readings(1, cluster="c2", machine="m2", serials=["SN-MOVE"], node="n9", read_time=day2)
+            + readings(
+                1, cluster="c1", machine="m1", serials=["SN-STAY"], node="n1", read_time=day2
+            )
+            + readings(
+                1, cluster="c2", machine="m2", serials=["SN-MOVE"], node="n9", read_time=day2
+            )
         )
         await exporter.export(
             [
@@ -62,7 +66,11 @@ async def test_doc_recipes_run_and_answer(postgres: PostgresCluster, pg_schema: 
         "current-allocations-by-namespace",
     }
     (moved,) = answers["gpus-on-several-machines"]
-    assert (moved["serial"], moved["machines"], moved["machine_ids"]) == ("SN-MOVE", 2, ["m1", "m2"])
+    assert (moved["serial"], moved["machines"], moved["machine_ids"]) == (
+        "SN-MOVE",
+        2,
+        ["m1", "m2"],
+    )
     (clusters,) = answers["gpus-that-moved-clusters"]
     assert (clusters["serial"], clusters["clusters"]) == ("SN-MOVE", "c1 -> c2")
     per_day = [(r["day"], r["cluster"], r["serials"], r["gpus"]) for r in answers["gpus-per-day"]]
@@ -71,5 +79,8 @@ async def test_doc_recipes_run_and_answer(postgres: PostgresCluster, pg_schema: 
         (day2.replace(hour=0), "c1", 1, 1),
         (day2.replace(hour=0), "c2", 1, 1),
     ]
-    by_namespace = [(r["namespace"], r["allocations"], r["pods"]) for r in answers["current-allocations-by-namespace"]]
+    by_namespace = [
+        (r["namespace"], r["allocations"], r["pods"])
+        for r in answers["current-allocations-by-namespace"]
+    ]
     assert by_namespace == [("ml", 2, ["a", "b"]), ("infer", 1, ["c"])]

@@ -28,8 +28,13 @@ from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
 
 FAST = BatchPolicy(
-    batch_size=4, flush_interval=0.02, queue_size=1000, retry_count=1, timeout=3.0,
-    backoff_base=0.01, backoff_max=0.05,
+    batch_size=4,
+    flush_interval=0.02,
+    queue_size=1000,
+    retry_count=1,
+    timeout=3.0,
+    backoff_base=0.01,
+    backoff_max=0.05,
 )
 DEAD_URL = "http://127.0.0.1:1/ingest"
 
@@ -83,20 +88,38 @@ async def test_dead_sink_blocks_neither_producer_nor_other_exporters(
     await eventually(lambda: postgres.store.records == 200 and postgres.consecutive_failures > 0)
     assert {p.name for p in tmp_path.iterdir()} == {"postgres", "http", "stdout"}
     healths = await pipeline.health()
-    assert healths["postgres"].state == "degraded" and "held in" in (healths["postgres"].reason or "")
-    assert healths["http"].state == "ok" and Pipeline.ready(healths)
+    assert healths["postgres"].state == "degraded"
+    assert "held in" in (
+        healths["postgres"].reason or ""
+    )
+    assert healths["http"].state == "ok"
+    assert Pipeline.ready(healths)
     assert sample(pipeline, "gpuid_spool_batches", {"exporter": "postgres"}) == 50
     assert sample(pipeline, "gpuid_spool_bytes", {"exporter": "postgres"}) > 0
-    assert sample(pipeline, "gpuid_export_failure_total", {"exporter": "postgres", "error_type": "connection"}) > 0
-    assert sample(pipeline, "gpuid_exporter_state", {"exporter": "postgres", "state": "degraded"}) == 1
+    assert (
+        sample(
+            pipeline,
+            "gpuid_export_failure_total",
+            {"exporter": "postgres", "error_type": "connection"},
+        )
+        > 0
+    )
+    assert (
+        sample(pipeline, "gpuid_exporter_state", {"exporter": "postgres", "state": "degraded"}) == 1
+    )
 
 
 async def test_memory_only_sink_drops_oldest_instead_of_blocking(
     running: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     policy = BatchPolicy(
-        batch_size=4, flush_interval=0.02, queue_size=8, retry_count=0, timeout=1.0,
-        backoff_base=0.01, backoff_max=0.05,
+        batch_size=4,
+        flush_interval=0.02,
+        queue_size=8,
+        retry_count=0,
+        timeout=1.0,
+        backoff_base=0.01,
+        backoff_max=0.05,
     )
     pipeline = start(running, [HttpExporter(DEAD_URL, timeout=1.0)], policy)
     assert "running memory-only" in caplog.text
@@ -104,9 +127,15 @@ async def test_memory_only_sink_drops_oldest_instead_of_blocking(
     (worker,) = pipeline.workers
     await eventually(lambda: worker.dropped_records >= 80)
     assert worker.store.records <= 8 + 4  # the bound, plus the batch in flight
-    assert sample(pipeline, "gpuid_dropped_records_total", {"exporter": "http", "reason": "buffer_full"}) >= 80
+    assert (
+        sample(
+            pipeline, "gpuid_dropped_records_total", {"exporter": "http", "reason": "buffer_full"}
+        )
+        >= 80
+    )
     healths = await pipeline.health()
-    assert healths["http"].state == "unavailable" and not Pipeline.ready(healths)
+    assert healths["http"].state == "unavailable"
+    assert not Pipeline.ready(healths)
 
 
 async def test_every_sink_down_then_back_loses_nothing(
@@ -115,7 +144,9 @@ async def test_every_sink_down_then_back_loses_nothing(
     """PostgreSQL stopped and the receiver failing; records keep coming; both come back."""
     receiver.default = Reply(503)
     exporter = PostgresExporter(
-        **postgres.connect_kwargs(), sslmode="disable", timeout=2.0,  # type: ignore[arg-type]
+        **postgres.connect_kwargs(),
+        sslmode="disable",
+        timeout=2.0,  # type: ignore[arg-type]
         tables=Tables.named(f"{pg_schema}.gpu_readings", "gpu_allocations", "gpu_events"),
     )
     await exporter.export(readings(1, node="before"))
@@ -136,7 +167,11 @@ async def test_every_sink_down_then_back_loses_nothing(
     await pipeline.publish(readings(1, node="after"))
     records += readings(1, node="after")
     ids = {r["record_id"] for r in records}
-    await eventually(lambda: ids - {r["record_id"] for r in readings(1, node="before")} <= receiver.accepted_ids())
+    await eventually(
+        lambda: (
+            ids - {r["record_id"] for r in readings(1, node="before")} <= receiver.accepted_ids()
+        )
+    )
     conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
     try:
         table = f"{pg_schema}.gpu_readings"
@@ -152,9 +187,13 @@ async def test_every_sink_down_then_back_loses_nothing(
     await eventually(lambda: all(w.store.batches == 0 for w in pipeline.workers))
 
 
-async def test_shutdown_keeps_undelivered_batches_in_the_spool(tmp_path: Path, receiver: Receiver) -> None:
+async def test_shutdown_keeps_undelivered_batches_in_the_spool(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     receiver.default = Reply(503)
-    pipeline = build_pipeline([HttpExporter(receiver.url)], FAST, AgentMetrics(), spool_dir=str(tmp_path))
+    pipeline = build_pipeline(
+        [HttpExporter(receiver.url)], FAST, AgentMetrics(), spool_dir=str(tmp_path)
+    )
     (worker,) = pipeline.workers
     task = asyncio.create_task(worker.run())
     await pipeline.publish(readings(3))
@@ -165,7 +204,9 @@ async def test_shutdown_keeps_undelivered_batches_in_the_spool(tmp_path: Path, r
     assert len(list((tmp_path / "http").glob("*.ndjson"))) == 3
     # the next start re-sends them
     receiver.default = Reply(200)
-    again = build_pipeline([HttpExporter(receiver.url)], FAST, AgentMetrics(), spool_dir=str(tmp_path))
+    again = build_pipeline(
+        [HttpExporter(receiver.url)], FAST, AgentMetrics(), spool_dir=str(tmp_path)
+    )
     (worker,) = again.workers
     task = asyncio.create_task(worker.run())
     await eventually(lambda: len(receiver.accepted_ids()) == 12)
@@ -189,20 +230,40 @@ print(sorted({m.split(".")[0] for m in sys.modules} & {"asyncpg", "aiobotocore",
     seen = {}
     for chosen in ("stdout", "http", "postgres", "s3"):
         done = subprocess.run(
-            [sys.executable, "-c", script, chosen], capture_output=True, text=True, timeout=60, check=True
+            [sys.executable, "-c", script, chosen],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         )
         seen[chosen] = json.loads(done.stdout.strip().replace("'", '"'))
     assert seen == {
-        "stdout": [], "http": [], "postgres": ["asyncpg"], "s3": ["aiobotocore", "botocore"],
+        "stdout": [],
+        "http": [],
+        "postgres": ["asyncpg"],
+        "s3": ["aiobotocore", "botocore"],
     }
 
 
-async def test_agent_readiness_and_status_with_a_down_exporter(tmp_path: Path, receiver: Receiver) -> None:
+async def test_agent_readiness_and_status_with_a_down_exporter(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     settings = Settings(
-        simulate="gb200x4", node_name="sim-1", exporter_type="http", http_endpoint=DEAD_URL,
-        spool_dir=str(tmp_path), server_address="127.0.0.1", server_port=0,
-        collect_interval=0.05, heartbeat_interval=0.05, flush_interval=0.02, retry_count=0,
-        retry_backoff=0.01, retry_backoff_max=0.05, http_timeout=1.0, shutdown_grace=2.0,
+        simulate="gb200x4",
+        node_name="sim-1",
+        exporter_type="http",
+        http_endpoint=DEAD_URL,
+        spool_dir=str(tmp_path),
+        server_address="127.0.0.1",
+        server_port=0,
+        collect_interval=0.05,
+        heartbeat_interval=0.05,
+        flush_interval=0.02,
+        retry_count=0,
+        retry_backoff=0.01,
+        retry_backoff_max=0.05,
+        http_timeout=1.0,
+        shutdown_grace=2.0,
     )
     agent = Agent(settings)
     await agent.start()
@@ -222,7 +283,8 @@ async def test_agent_readiness_and_status_with_a_down_exporter(tmp_path: Path, r
         await agent.stop()
     assert status["components"]["exporter:http"]["state"] == "degraded"
     (described,) = status["exporters"]
-    assert described["durable"] and described["stored_batches"] >= 2
+    assert described["durable"]
+    assert described["stored_batches"] >= 2
     assert described["store"] == str(tmp_path / "http")
     assert 'gpuid_exporter_state{exporter="http",state="degraded"} 1.0' in metrics
     # what was not delivered is still on disk for the next start

@@ -84,7 +84,9 @@ async def test_migration_creates_gpuid_compatible_table(
     assert {"record_id", "uuid", "gpu_index", "attributes", "mig_devices"} <= columns.keys()
     indexes = {
         r["indexname"]: r["indexdef"]
-        for r in await db.fetch("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", pg_schema)
+        for r in await db.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", pg_schema
+        )
     }
     for gpuid_index in ("cluster", "node", "read_time", "created_at"):
         assert f"idx_gpu_readings_{gpuid_index}" in indexes
@@ -92,7 +94,9 @@ async def test_migration_creates_gpuid_compatible_table(
     assert {"gpu_allocations_pkey", "idx_gpu_events_record_id"} <= indexes.keys()
 
 
-async def test_same_batch_twice_stores_each_record_once(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_same_batch_twice_stores_each_record_once(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     exporter = make()
     batch = readings(3)  # GB200: 4 dies, 2 serials — both dies of a serial are kept
     await exporter.export(batch)
@@ -103,13 +107,20 @@ async def test_same_batch_twice_stores_each_record_once(make: Factory, db: async
     assert await db.fetchval(f"SELECT count(DISTINCT record_id) FROM {table}") == 16
     row = await db.fetchrow(f"SELECT * FROM {table} WHERE record_id = $1", batch[0]["record_id"])
     assert (row["cluster"], row["node"], row["machine"], row["gpu"], row["chassis"]) == (
-        "c1", "n1", "m1", "SN-A", "CH-1"
+        "c1",
+        "n1",
+        "m1",
+        "SN-A",
+        "CH-1",
     )
     assert row["read_time"] == BASE_TIME
-    assert row["uuid"] == batch[0]["uuid"] and row["gpu_index"] == 0
+    assert row["uuid"] == batch[0]["uuid"]
+    assert row["gpu_index"] == 0
 
 
-async def test_many_agents_migrating_at_once(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_many_agents_migrating_at_once(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     exporters = [make() for _ in range(8)]
     await asyncio.gather(*(e.export(readings(1, node=f"n{i}")) for i, e in enumerate(exporters)))
     assert await count(db, f"{pg_schema}.gpu_readings") == 32
@@ -118,7 +129,9 @@ async def test_many_agents_migrating_at_once(make: Factory, db: asyncpg.Connecti
     assert await count(db, f"{pg_schema}.gpu_readings") == 36
 
 
-async def test_migrates_a_table_gpuid_created(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_migrates_a_table_gpuid_created(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     table = f"{pg_schema}.gpu_readings"
     await db.execute(f"CREATE SCHEMA {pg_schema}")
     await db.execute(
@@ -142,7 +155,9 @@ async def test_migrates_a_table_gpuid_created(make: Factory, db: asyncpg.Connect
     assert await count(db, table, "record_id IS NULL") == 1  # gpuid's row is kept as it was
 
 
-async def test_allocation_end_updates_its_row(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_allocation_end_updates_its_row(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     exporter = make()
     start = allocation(pod="p1")
     end = allocation(pod="p1", ended_at=BASE_TIME + timedelta(hours=2))
@@ -155,35 +170,54 @@ async def test_allocation_end_updates_its_row(make: Factory, db: asyncpg.Connect
     assert row["started_at"] == BASE_TIME
     assert row["ended_at"] == BASE_TIME + timedelta(hours=2)
     assert (row["start_record_id"], row["end_record_id"]) == (start["record_id"], end["record_id"])
-    assert (row["namespace"], row["workload_kind"], row["workload_name"]) == ("ml", "Deployment", "trainer")
+    assert (row["namespace"], row["workload_kind"], row["workload_name"]) == (
+        "ml",
+        "Deployment",
+        "trainer",
+    )
     updated = row["updated_at"]
     # Re-sent records (a retry, a spool replay) change nothing, in any order.
     await exporter.export([end, start])
     again = await db.fetchrow(f"SELECT * FROM {table} WHERE pod = 'p1'")
-    assert again["updated_at"] == updated and again["ended_at"] == row["ended_at"]
+    assert again["updated_at"] == updated
+    assert again["ended_at"] == row["ended_at"]
     assert await count(db, table, "ended_at IS NULL") == 1
 
 
-async def test_allocation_start_and_end_in_one_batch(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_allocation_start_and_end_in_one_batch(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     end = allocation(pod="p3", ended_at=BASE_TIME + timedelta(minutes=5))
     await make().export([end, allocation(pod="p3")])
     row = await db.fetchrow(f"SELECT * FROM {pg_schema}.gpu_allocations")
-    assert row["started_at"] == BASE_TIME and row["ended_at"] == BASE_TIME + timedelta(minutes=5)
+    assert row["started_at"] == BASE_TIME
+    assert row["ended_at"] == BASE_TIME + timedelta(minutes=5)
 
 
-async def test_other_kinds_go_to_events(make: Factory, db: asyncpg.Connection, pg_schema: str) -> None:
+async def test_other_kinds_go_to_events(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
     health = {
-        "schema_version": 1, "kind": "health", "record_id": "h-1", "cluster": "c1",
-        "node": "n1", "machine": "m1", "uuid": "GPU-n1-0", "xid": 79,
+        "schema_version": 1,
+        "kind": "health",
+        "record_id": "h-1",
+        "cluster": "c1",
+        "node": "n1",
+        "machine": "m1",
+        "uuid": "GPU-n1-0",
+        "xid": 79,
         "observed_at": "2025-03-01T12:00:00.000Z",
     }
     bad_reading = {**readings(1)[0], "read_time": "not a time", "record_id": "r-bad"}
     exporter = make()
     await exporter.export([health, bad_reading])
     await exporter.export([health])
-    rows = await db.fetch(f"SELECT kind, payload, observed_at FROM {pg_schema}.gpu_events ORDER BY kind")
+    rows = await db.fetch(
+        f"SELECT kind, payload, observed_at FROM {pg_schema}.gpu_events ORDER BY kind"
+    )
     assert [r["kind"] for r in rows] == ["health", "reading"]
-    assert '"xid": 79' in rows[0]["payload"] and rows[0]["observed_at"] == BASE_TIME
+    assert '"xid": 79' in rows[0]["payload"]
+    assert rows[0]["observed_at"] == BASE_TIME
     assert '"not a time"' in rows[1]["payload"]  # nothing lost, even what a column cannot hold
 
 
@@ -191,16 +225,44 @@ hostile_text = st.text(
     alphabet=st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=400
 )
 hostile_value = st.one_of(
-    st.none(), st.booleans(), hostile_text, st.integers(), st.floats(allow_nan=True),
+    st.none(),
+    st.booleans(),
+    hostile_text,
+    st.integers(),
+    st.floats(allow_nan=True),
     st.lists(hostile_text, max_size=3),
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(st.sampled_from(
-    ["cluster", "node", "machine", "source", "chassis", "gpu", "uuid", "index", "module_id",
-     "model", "mig_devices", "schema_version", "read_time", "weird\x00key", "extra"]
-), hostile_value, max_size=10), hostile_text)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "cluster",
+                "node",
+                "machine",
+                "source",
+                "chassis",
+                "gpu",
+                "uuid",
+                "index",
+                "module_id",
+                "model",
+                "mig_devices",
+                "schema_version",
+                "read_time",
+                "weird\x00key",
+                "extra",
+            ]
+        ),
+        hostile_value,
+        max_size=10,
+    ),
+    hostile_text,
+)
 async def test_hostile_records_are_stored_not_refused(
     make: Factory, db: asyncpg.Connection, pg_schema: str, fields: dict[str, Any], rid: str
 ) -> None:
@@ -220,22 +282,27 @@ async def test_health_is_a_round_trip(make: Factory, postgres: PostgresCluster) 
     assert (await make().health()).ok
     dead = make(port=1)
     health = await dead.health()
-    assert not health.ok and "connection" in (health.reason or "").lower()
+    assert not health.ok
+    assert "connection" in (health.reason or "").lower()
     assert "s3cret" not in (health.reason or "")
 
 
-async def test_wrong_password_is_retryable_and_secret(make: Factory, caplog: pytest.LogCaptureFixture) -> None:
+async def test_wrong_password_is_retryable_and_secret(
+    make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
     exporter = make(password="not-the-password")
     with pytest.raises(ExportError) as info:
         await exporter.export(readings(1))
-    assert info.value.error_type == "auth" and info.value.retryable
+    assert info.value.error_type == "auth"
+    assert info.value.retryable
     assert "not-the-password" not in str(info.value)
 
 
 async def test_missing_table_without_auto_migrate(make: Factory) -> None:
     with pytest.raises(ExportError) as info:
         await make(auto_migrate=False).export(readings(1))
-    assert info.value.error_type == "schema" and info.value.retryable
+    assert info.value.error_type == "schema"
+    assert info.value.retryable
     assert "POSTGRES_AUTO_MIGRATE" in str(info.value)
 
 
@@ -263,7 +330,9 @@ async def test_reconnects_after_server_restart(
     finally:
         await asyncio.to_thread(postgres.start_server)
     metrics = AgentMetrics()
-    worker = ExporterWorker(exporter, BatchPolicy(retry_count=5, backoff_base=0.05, backoff_max=0.2), metrics)
+    worker = ExporterWorker(
+        exporter, BatchPolicy(retry_count=5, backoff_base=0.05, backoff_max=0.2), metrics
+    )
     assert (await worker.deliver(readings(1, node="back"))).value == "delivered"
     assert (await exporter.health()).ok
     conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
@@ -286,7 +355,9 @@ async def test_crash_after_commit_replays_without_duplicates(
     await exporter.export(await spool.load(stored), stored.meta)  # delivered, then "crash"
     restarted = DiskSpool(tmp_path / "postgres", 1 << 20)
     assert restarted.batches == 1
-    worker = ExporterWorker(make(), BatchPolicy(flush_interval=0.01), AgentMetrics(), store=restarted)
+    worker = ExporterWorker(
+        make(), BatchPolicy(flush_interval=0.01), AgentMetrics(), store=restarted
+    )
     task = asyncio.create_task(worker.run())
     await eventually(lambda: restarted.batches == 0)
     worker.close_intake()

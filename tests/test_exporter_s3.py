@@ -64,14 +64,17 @@ def objects(moto: MotoServer, bucket: str) -> dict[str, tuple[bytes, dict[str, s
         client.close()
 
 
-async def test_csv_object_with_gpuid_columns(make: Factory, moto_server: MotoServer, s3_bucket: str) -> None:
+async def test_csv_object_with_gpuid_columns(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
     batch = readings(2)
     meta = BatchMeta.new()
     await make().export(batch, meta)
     stored = objects(moto_server, s3_bucket)
     (key,) = stored
     assert KEY.match(key), key
-    assert "/cluster=c1/node=n1/" in key and key.endswith(f"-{meta.batch_id}.csv")
+    assert "/cluster=c1/node=n1/" in key
+    assert key.endswith(f"-{meta.batch_id}.csv")
     body, metadata = stored[key]
     rows = list(csv.reader(io.StringIO(body.decode())))
     assert tuple(rows[0][:7]) == ("cluster", "node", "machine", "source", "chassis", "gpu", "time")
@@ -79,14 +82,21 @@ async def test_csv_object_with_gpuid_columns(make: Factory, moto_server: MotoSer
     assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0]["read_time"]]
     assert rows[1][CSV_COLUMNS.index("record_id")] == batch[0]["record_id"]
     assert metadata == {
-        "source": "gpuid-agent", "record_count": "8", "format": "csv", "schema_version": "1",
-        "batch_id": meta.batch_id, "kind": "reading", "columns": ",".join(CSV_COLUMNS),
+        "source": "gpuid-agent",
+        "record_count": "8",
+        "format": "csv",
+        "schema_version": "1",
+        "batch_id": meta.batch_id,
+        "kind": "reading",
+        "columns": ",".join(CSV_COLUMNS),
         "header": "true",
     }
 
 
-async def test_ndjson_gzip_and_no_header(make: Factory, moto_server: MotoServer, s3_bucket: str) -> None:
-    await make(fmt="ndjson", gzip_objects=True).export(readings(1) + [allocation(pod="p")])
+async def test_ndjson_gzip_and_no_header(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    await make(fmt="ndjson", gzip_objects=True).export([*readings(1), allocation(pod="p")])
     await make(csv_header=False, prefix="").export(readings(1))
     stored = objects(moto_server, s3_bucket)
     ndjson = next(k for k in stored if k.endswith(".ndjson.gz"))
@@ -97,11 +107,14 @@ async def test_ndjson_gzip_and_no_header(make: Factory, moto_server: MotoServer,
     assert stored[plain][0].decode().splitlines()[0].startswith("c1,n1,m1,")
 
 
-async def test_other_kinds_beside_csv(make: Factory, moto_server: MotoServer, s3_bucket: str) -> None:
-    await make().export(readings(1) + [allocation(pod="p1"), allocation(pod="p2")])
+async def test_other_kinds_beside_csv(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    await make().export([*readings(1), allocation(pod="p1"), allocation(pod="p2")])
     stored = objects(moto_server, s3_bucket)
     assert sorted(k.rsplit(".", 2)[-2:][0] if k.endswith(".ndjson") else "csv" for k in stored) == [
-        "allocation", "csv"
+        "allocation",
+        "csv",
     ]
     side = next(k for k in stored if k.endswith(".allocation.ndjson"))
     assert stored[side][1]["record_count"] == "2"
@@ -113,9 +126,7 @@ async def test_two_agents_same_second_never_collide(
     created = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
     agents = [make(), make()]
     metas = [BatchMeta(BatchMeta.new().batch_id, created) for _ in range(6)]
-    await asyncio.gather(
-        *(agents[i % 2].export(readings(1), meta) for i, meta in enumerate(metas))
-    )
+    await asyncio.gather(*(agents[i % 2].export(readings(1), meta) for i, meta in enumerate(metas)))
     # a retry of a batch writes its own key again, with the same bytes
     await agents[0].export(readings(1), metas[0])
     stored = objects(moto_server, s3_bucket)
@@ -126,12 +137,18 @@ async def test_two_agents_same_second_never_collide(
 async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
     server = MotoServer()  # its own server: this test takes it down
     exporter = S3Exporter(
-        "outage", endpoint_url=server.url, region="us-east-1", path_style=True, timeout=2.0,
+        "outage",
+        endpoint_url=server.url,
+        region="us-east-1",
+        path_style=True,
+        timeout=2.0,
         fmt="ndjson",
     )
     metrics = AgentMetrics()
     spool = DiskSpool(tmp_path / "s3", 1 << 20)
-    policy = BatchPolicy(batch_size=4, flush_interval=0.02, retry_count=1, backoff_base=0.02, backoff_max=0.1)
+    policy = BatchPolicy(
+        batch_size=4, flush_interval=0.02, retry_count=1, backoff_base=0.02, backoff_max=0.1
+    )
     worker = ExporterWorker(exporter, policy, metrics, store=spool)
     task = asyncio.create_task(worker.run())
     batch = readings(5)
@@ -139,14 +156,19 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
         for record in batch:
             await worker.put(record)
         await eventually(lambda: worker.consecutive_failures >= 2 and spool.batches == 5)
-        assert not (await worker.health()).ok and (await worker.health()).state == "degraded"
+        assert not (await worker.health()).ok
+        assert (await worker.health()).state == "degraded"
         await asyncio.to_thread(server.start)
         client: Any = server.client()
         client.create_bucket(Bucket="outage")
         client.close()
         await eventually(lambda: spool.batches == 0)
         stored = objects(server, "outage")
-        ids = [json.loads(line)["record_id"] for body, _ in stored.values() for line in body.splitlines()]
+        ids = [
+            json.loads(line)["record_id"]
+            for body, _ in stored.values()
+            for line in body.splitlines()
+        ]
         assert sorted(ids) == sorted(r["record_id"] for r in batch)
         assert (await exporter.health()).ok
     finally:
@@ -160,28 +182,40 @@ async def test_missing_bucket_is_retryable(make: Factory) -> None:
     exporter = make(bucket="no-such-bucket")
     with pytest.raises(ExportError) as info:
         await exporter.export(readings(1))
-    assert info.value.retryable and info.value.error_type == "s3_NoSuchBucket"
+    assert info.value.retryable
+    assert info.value.error_type == "s3_NoSuchBucket"
     health = await exporter.health()
-    assert not health.ok and "no-such-bucket" in (health.reason or "")
+    assert not health.ok
+    assert "no-such-bucket" in (health.reason or "")
 
 
 @given(st.text(max_size=200))
 def test_key_parts_are_single_safe_segments(value: str) -> None:
     part = key_part(value)
-    assert part and "/" not in part and part.strip(".")
+    assert part
+    assert "/" not in part
+    assert part.strip(".")
     assert re.fullmatch(r"[A-Za-z0-9._-]+", part)
 
 
 @given(st.text(max_size=40))
 def test_partition_pattern_never_breaks_keys(pattern: str) -> None:
     rendered = partition(pattern, BatchMeta.new())
-    assert "//" not in rendered and not rendered.startswith("/") and not rendered.endswith("/")
+    assert "//" not in rendered
+    assert not rendered.startswith("/")
+    assert not rendered.endswith("/")
     assert all(seg.strip(".") for seg in rendered.split("/") if rendered)
 
 
 @given(st.lists(st.text(max_size=30), min_size=7, max_size=7))
 def test_csv_round_trips_hostile_values(values: list[str]) -> None:
-    record = dict(zip(("cluster", "node", "machine", "source", "chassis", "gpu", "read_time"), values, strict=True))
+    record = dict(
+        zip(
+            ("cluster", "node", "machine", "source", "chassis", "gpu", "read_time"),
+            values,
+            strict=True,
+        )
+    )
     record["kind"] = "reading"
     body = to_csv([record], header=False).decode()
     (row,) = list(csv.reader(io.StringIO(body, newline="")))

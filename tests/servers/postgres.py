@@ -88,8 +88,15 @@ class PostgresCluster:
     def start_server(self) -> None:
         assert self.root is not None
         self._as_postgres(
-            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-w",
-            "-t", "60", "start",
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
         )
 
     def stop_server(self, mode: str = "fast") -> None:
@@ -100,8 +107,21 @@ class PostgresCluster:
     def psql(self, sql: str, database: str = "postgres") -> str:
         assert self.root is not None
         done = self._as_postgres(
-            str(PG_BIN / "psql"), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1",
-            "-h", str(self.root), "-p", str(self.port), "-d", database, "-c", sql,
+            str(PG_BIN / "psql"),
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            str(self.root),
+            "-p",
+            str(self.port),
+            "-d",
+            database,
+            "-c",
+            sql,
         )
         return done.stdout
 

@@ -7,6 +7,7 @@ benchmark's), answering GET /count with the records it accepted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import ssl
@@ -100,10 +101,8 @@ class Receiver:
             if remaining <= 0:
                 raise TimeoutError("receiver condition not met in time")
             self.changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), min(remaining, 0.2))
-            except TimeoutError:
-                pass
 
 
 def main(port: int) -> None:

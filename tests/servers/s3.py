@@ -37,7 +37,7 @@ class MotoServer:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {self._proc.returncode}")
             try:
-                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):  # noqa: S310
+                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
                     return
             except (urllib.error.URLError, OSError):
                 time.sleep(0.1)
