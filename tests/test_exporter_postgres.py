@@ -153,6 +153,10 @@ async def test_migrates_a_table_gpuid_created(
     await exporter.export(batch)
     assert await count(db, table) == 5
     assert await count(db, table, "record_id IS NULL") == 1  # gpuid's row is kept as it was
+    # gpuid's all-column UNIQUE refuses the second die of a GB200 superchip (same serial):
+    # the fast COPY is refused, the staging path skips the conflict, nothing fails.
+    await exporter.export(readings(1, node="gb200"))
+    assert await count(db, table, "node = 'gb200'") == 2
 
 
 async def test_allocation_end_updates_its_row(

@@ -32,6 +32,7 @@ from gpuid_agent.sinks.exporters.postgres.schema import (
     insert_events,
     insert_readings,
     migration,
+    stored_ids,
     upsert_allocations,
 )
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PostgresExporter", "Tables"]
 _log = log.get("postgres")
+_RECORD_ID = rowmap.READING_COLUMNS.index("record_id")
 
 # Errors after which the pool's connections cannot be trusted (server restarted, network cut).
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -109,6 +111,9 @@ class PostgresExporter(Exporter):
         self.pool_size = max(1, pool_size)
         self._pool: asyncpg.Pool | None = None
         self._migrated = False
+        # COPY quotes the names it is given: pass them folded as PostgreSQL folds them.
+        schema, _, bare = self.tables.readings.lower().rpartition(".")
+        self._readings_name = (schema or None, bare)
         self._setup = asyncio.Lock()
         self._sql = (
             insert_readings(self.tables),
@@ -205,23 +210,63 @@ class PostgresExporter(Exporter):
     def _tables(self) -> tuple[str, str, str]:
         return (self.tables.readings, self.tables.allocations, self.tables.events)
 
-    async def _write(self, pool: asyncpg.Pool, rows: rowmap.Rows) -> None:
-        readings_sql, allocations_sql, events_sql = self._sql
+    async def _stage(
+        self,
+        conn: asyncpg.Connection,
+        staged: str,
+        columns: tuple[str, ...],
+        sql: str,
+        data: list[tuple[Any, ...]],
+    ) -> None:
+        await conn.copy_records_to_table(staged, records=data, columns=columns)
+        await conn.execute(sql)
+
+    async def _write_readings(self, conn: asyncpg.Connection, data: list[tuple[Any, ...]]) -> None:
+        """Readings, the bulk of any backlog, take a faster path than staging: drop the rows
+        whose record_id is already stored (one index probe for the batch), COPY the rest
+        straight into the table. Should a row arrive from elsewhere in between, the unique
+        index refuses the COPY and the batch takes the staging path, which skips conflicts."""
+        ids = [row[_RECORD_ID] for row in data]
+        stored = {r[0] for r in await conn.fetch(stored_ids(self.tables), ids)}
+        fresh: list[tuple[Any, ...]] = []
+        for row in data:
+            if row[_RECORD_ID] not in stored:
+                stored.add(row[_RECORD_ID])  # a record twice in one batch is stored once
+                fresh.append(row)
+        if not fresh:
+            return
+        try:
+            async with conn.transaction():  # a savepoint: a refused COPY leaves the rest intact
+                await conn.copy_records_to_table(
+                    self._readings_name[1],
+                    schema_name=self._readings_name[0],
+                    records=fresh,
+                    columns=rowmap.READING_COLUMNS,
+                )
+        except asyncpg.UniqueViolationError:
+            await self._stage(conn, STAGE_READINGS, rowmap.READING_COLUMNS, self._sql[0], fresh)
+
+    async def _write(self, pool: asyncpg.Pool, batch: Sequence[Record]) -> None:
+        rows = rowmap.split(batch)
+        _, allocations_sql, events_sql = self._sql
         async with pool.acquire() as conn, conn.transaction():
-            for staged, columns, sql, data in (
-                (STAGE_READINGS, rowmap.READING_COLUMNS, readings_sql, rows.readings),
-                (STAGE_ALLOCATIONS, rowmap.ALLOCATION_COLUMNS, allocations_sql, rows.allocations),
-                (STAGE_EVENTS, rowmap.EVENT_COLUMNS, events_sql, rows.events),
-            ):
-                if data:
-                    await conn.copy_records_to_table(staged, records=data, columns=columns)
-                    await conn.execute(sql)
+            if rows.readings:
+                await self._write_readings(conn, rows.readings)
+            if rows.allocations:
+                await self._stage(
+                    conn,
+                    STAGE_ALLOCATIONS,
+                    rowmap.ALLOCATION_COLUMNS,
+                    allocations_sql,
+                    rows.allocations,
+                )
+            if rows.events:
+                await self._stage(conn, STAGE_EVENTS, rowmap.EVENT_COLUMNS, events_sql, rows.events)
 
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
-        rows = rowmap.split(batch)
         try:
             pool = await self._ready()
-            await self._write(pool, rows)
+            await self._write(pool, batch)
         except ExportError:
             raise
         except asyncio.CancelledError:

@@ -8,6 +8,7 @@ reading that cannot fill the readings table (no readable read_time) goes to the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -68,32 +69,6 @@ ALLOCATION_COLUMNS = (
 )
 EVENT_COLUMNS = ("record_id", "kind", "cluster", "node", "machine", "observed_at", "payload")
 
-# record field → reading column (fields with the column's own name are listed as such)
-_READING_FIELDS = {
-    "cluster": "cluster",
-    "node": "node",
-    "machine": "machine",
-    "source": "source",
-    "chassis": "chassis",
-    "gpu": "gpu",
-    "read_time": "read_time",
-    "record_id": "record_id",
-    "schema_version": "schema_version",
-    "uuid": "uuid",
-    "index": "gpu_index",
-    "model": "model",
-    "pci_bus_id": "pci_bus_id",
-    "module_id": "module_id",
-    "board_part_number": "board_part_number",
-    "driver_version": "driver_version",
-    "machine_source": "machine_source",
-    "mig_devices": "mig_devices",
-    "reason": "reason",
-    "change": "change",
-}
-_INT_COLUMNS = frozenset({"schema_version", "gpu_index", "module_id"})
-_NOT_NULL_TEXT = frozenset({"cluster", "node", "machine", "source", "chassis", "gpu"})
-
 # allocation column → record fields that may carry it, first match wins
 _ALLOCATION_FIELDS: dict[str, tuple[str, ...]] = {
     "cluster": ("cluster",),
@@ -115,13 +90,20 @@ _TIME_FIELDS = ("read_time", "time", "observed_at", "timestamp", "started_at")
 
 
 def clean_text(value: str, limit: int | None = VARCHAR) -> str:
-    text = value.replace("\x00", "")
-    if any("\ud800" <= ch <= "\udfff" for ch in text):
-        text = text.encode("utf-8", "replace").decode("utf-8")
-    return text[:limit] if limit is not None else text
+    if value.isascii():  # the common case: only NULs can be wrong
+        text = value.replace("\x00", "") if "\x00" in value else value
+    else:
+        text = value.replace("\x00", "")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates
+            text = text.encode("utf-8", "replace").decode("utf-8")
+    return text[:limit] if limit is not None and len(text) > limit else text
 
 
 def _text(value: Any, limit: int = VARCHAR) -> str | None:
+    if value.__class__ is str:
+        return clean_text(value, limit)
     if value is None:
         return None
     if isinstance(value, bool | int | float):
@@ -137,10 +119,8 @@ def _int(value: Any) -> int | None:
     return value if INT_MIN <= value <= INT_MAX else None
 
 
-def parse_time(value: Any) -> datetime | None:
-    """An RFC 3339 / ISO 8601 time (naive ones are UTC); None when unreadable."""
-    if not isinstance(value, str) or not 10 <= len(value) <= 64:
-        return None
+@functools.lru_cache(maxsize=1024)  # a snapshot's records share one read_time
+def _parse_time_text(value: str) -> datetime | None:
     try:
         moment = datetime.fromisoformat(value.replace("z", "Z"))
     except ValueError:
@@ -152,6 +132,13 @@ def parse_time(value: Any) -> datetime | None:
     except (OverflowError, ValueError):
         return None
     return moment
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An RFC 3339 / ISO 8601 time (naive ones are UTC); None when unreadable."""
+    if not isinstance(value, str) or not 10 <= len(value) <= 64:
+        return None
+    return _parse_time_text(value)
 
 
 def _clean_json(value: Any) -> Any:
@@ -184,34 +171,76 @@ def _record_id(record: Record) -> str:
     return value if value else fallback_id(record)
 
 
+_TEXT, _TEXT_NOT_NULL, _INT, _LIST, _TIME, _ID = range(6)
+# (record field, how its column takes it), in READING_COLUMNS order up to `attributes`
+_READING_SPEC: tuple[tuple[str, int], ...] = (
+    ("cluster", _TEXT_NOT_NULL),
+    ("node", _TEXT_NOT_NULL),
+    ("machine", _TEXT_NOT_NULL),
+    ("source", _TEXT_NOT_NULL),
+    ("chassis", _TEXT_NOT_NULL),
+    ("gpu", _TEXT_NOT_NULL),
+    ("read_time", _TIME),
+    ("record_id", _ID),
+    ("schema_version", _INT),
+    ("uuid", _TEXT),
+    ("index", _INT),
+    ("model", _TEXT),
+    ("pci_bus_id", _TEXT),
+    ("module_id", _INT),
+    ("board_part_number", _TEXT),
+    ("driver_version", _TEXT),
+    ("machine_source", _TEXT),
+    ("mig_devices", _LIST),
+    ("reason", _TEXT),
+    ("change", _TEXT),
+)
+_READING_KNOWN = frozenset(name for name, _ in _READING_SPEC) | {"kind"}
+
+
 def reading_row(record: Record) -> tuple[Any, ...] | None:
-    row: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in record.items():
-        column = _READING_FIELDS.get(key)
-        if column is None:
-            if key != "kind":
-                extra[key] = value
-            continue
-        if column == "read_time":
-            converted: Any = parse_time(value)
-        elif column in _INT_COLUMNS:
-            converted = _int(value)
-        elif column == "mig_devices":
-            converted = [_text(v) or "" for v in value] if isinstance(value, list) else None
-        else:
-            converted = _text(value)
-        if converted != value and value is not None and column != "read_time":
-            extra[key] = value  # changed on the way in: keep the original
-        row[column] = converted
-    if row.get("read_time") is None:
+    """The readings-table row of a reading, or None when it has no readable read_time.
+
+    Written for speed (it runs for every record of a backlog): plain short ASCII strings,
+    the usual case, are taken as they are; anything else goes through the careful path."""
+    get = record.get
+    read_time = parse_time(get("read_time"))
+    if read_time is None:
         return None
-    row["record_id"] = _record_id(record)
-    for column in _NOT_NULL_TEXT:
-        if row.get(column) is None:
-            row[column] = ""
-    row["attributes"] = to_json(extra) if extra else None
-    return tuple(row.get(c) for c in READING_COLUMNS)
+    extra: dict[str, Any] = {}
+    if not record.keys() <= _READING_KNOWN:
+        extra = {k: v for k, v in record.items() if k not in _READING_KNOWN}
+    row: list[Any] = []
+    append = row.append
+    for name, kind in _READING_SPEC:
+        value = get(name)
+        if kind <= _TEXT_NOT_NULL:
+            if (
+                value.__class__ is str
+                and len(value) <= VARCHAR
+                and value.isascii()
+                and "\x00" not in value
+            ):
+                append(value)
+                continue
+            converted: Any = _text(value)
+            if converted is None and kind == _TEXT_NOT_NULL:
+                converted = ""
+        elif kind == _TIME:
+            append(read_time)
+            continue
+        elif kind == _ID:
+            append(_record_id(record))
+            continue
+        elif kind == _INT:
+            converted = _int(value)
+        else:  # _LIST
+            converted = [_text(v) or "" for v in value] if isinstance(value, list) else None
+        if value is not None and converted != value:
+            extra[name] = value  # changed on the way in: keep the original
+        append(converted)
+    append(to_json(extra) if extra else None)
+    return tuple(row)
 
 
 def allocation_id(record: Record) -> str:

@@ -246,3 +246,8 @@ def insert_events(tables: Tables) -> str:
         f"INSERT INTO {tables.events} ({columns}) SELECT {columns} FROM {STAGE_EVENTS} "
         "ON CONFLICT DO NOTHING"
     )
+
+
+def stored_ids(tables: Tables) -> str:
+    """Which of the record ids in $1 the readings table already holds."""
+    return f"SELECT record_id FROM {tables.readings} WHERE record_id = ANY($1::text[])"
