@@ -89,9 +89,7 @@ async def test_dead_sink_blocks_neither_producer_nor_other_exporters(
     assert {p.name for p in tmp_path.iterdir()} == {"postgres", "http", "stdout"}
     healths = await pipeline.health()
     assert healths["postgres"].state == "degraded"
-    assert "held in" in (
-        healths["postgres"].reason or ""
-    )
+    assert "held in" in (healths["postgres"].reason or "")
     assert healths["http"].state == "ok"
     assert Pipeline.ready(healths)
     assert sample(pipeline, "gpuid_spool_batches", {"exporter": "postgres"}) == 50
@@ -227,16 +225,17 @@ extra = {"http": {"http_endpoint": "http://127.0.0.1:1/x"}, "postgres": {"postgr
 make_exporters(Settings(exporter_type=chosen, **extra))
 print(sorted({m.split(".")[0] for m in sys.modules} & {"asyncpg", "aiobotocore", "botocore"}))
 """
-    seen = {}
-    for chosen in ("stdout", "http", "postgres", "s3"):
-        done = subprocess.run(
-            [sys.executable, "-c", script, chosen],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
+    procs = {
+        chosen: subprocess.Popen(
+            [sys.executable, "-c", script, chosen], stdout=subprocess.PIPE, text=True
         )
-        seen[chosen] = json.loads(done.stdout.strip().replace("'", '"'))
+        for chosen in ("stdout", "http", "postgres", "s3")
+    }
+    seen = {}
+    for chosen, proc in procs.items():
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        seen[chosen] = json.loads(out.strip().replace("'", '"'))
     assert seen == {
         "stdout": [],
         "http": [],

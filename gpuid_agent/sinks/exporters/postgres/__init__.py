@@ -1,8 +1,9 @@
-"""PostgreSQL exporter (asyncpg): COPY into per-connection staging tables, then one
-`INSERT … SELECT … ON CONFLICT DO NOTHING` per table, all in one transaction.
+"""PostgreSQL exporter (asyncpg): each batch in one transaction, idempotent by record id.
 
-COPY keeps bulk speed; the conflict clause over the unique record id makes a re-sent batch (a
-retry, or a spooled batch re-sent after a crash) a no-op, so each record is stored once.
+Readings are COPYed straight into their table after one index probe drops the ids already
+stored; allocations and other kinds (and readings, should the unique index refuse that COPY)
+go through per-connection staging tables and `INSERT … SELECT … ON CONFLICT`. Either way a
+re-sent batch (a retry, or a spooled batch re-sent after a crash) stores nothing twice.
 Readings go to the gpuid-compatible readings table, allocation records to the allocations
 table (one row per allocation, its end an update of that row), anything else to the events
 table. The pool and the migration are set up on first use, so an agent started while the
