@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,17 +17,25 @@ from aiohttp import web
 from gpuid_agent import __version__, log
 from gpuid_agent.config import Settings
 from gpuid_agent.errors import NvmlUnavailableError
+from gpuid_agent.health.model import Transition
+from gpuid_agent.health.tracker import HealthTracker
 from gpuid_agent.inventory import build_inventory
 from gpuid_agent.metrics import AgentMetrics
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.server import build_app
 from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.exporters.base import Exporter
+from gpuid_agent.sinks.health_records import HealthPublisher, health_records
+from gpuid_agent.sinks.labels.service import NodeLabelling
+from gpuid_agent.sinks.node_conditions import NodeConditionWriter
 from gpuid_agent.sinks.pipeline import BatchPolicy, build_pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
+from gpuid_agent.sources.health_nvml import HealthReader
+from gpuid_agent.sources.health_signals import XidEvent
 from gpuid_agent.sources.machine import local_machine_id
-from gpuid_agent.sources.nvml import NvmlSource
+from gpuid_agent.sources.nvml import NvmlReading, NvmlSource
 from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.xid_watcher import XidWatcher
 from gpuid_agent.status import StatusBoard
 from gpuid_agent.supervisor import Supervisor
 
@@ -38,7 +47,7 @@ def make_nvml_api(settings: Settings) -> NvmlApi:
     if settings.simulate:
         from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 
-        return SimulatedNvml(settings.simulate, settings.effective_node_name())
+        return SimulatedNvml(settings.simulate, settings.effective_node_name(), settings.fault)
     return PynvmlApi(settings.nvml_library_path)
 
 
@@ -105,18 +114,23 @@ class Agent:
             if settings.pod_name
             else f"gpuid-agent/{self.node}"
         )
+        self.source = source
         self.emitter = ReadingEmitter(
             source=source,
             heartbeat_interval=settings.heartbeat_interval,
             publish=self.pipeline.publish,
         )
         self.machine, self.machine_source = self._machine_identity()
+        self.labelling = NodeLabelling(
+            settings, self.node, self.registry, self.board, self._use_machine
+        )
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self._rendered = gpu_metrics.EMPTY
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
         self.started_at = datetime.now(UTC)
+        self._init_health()
         self.board.set("nvml", "starting")
         for worker in self.pipeline.workers:
             self.board.set(f"exporter:{worker.name}", "ok")
@@ -126,6 +140,13 @@ class Agent:
             return f"sim-{self.node}", "simulated"
         found = local_machine_id(self.settings.dmi_product_uuid_path, self.settings.machine_id_path)
         return found if found else (self.node, "node_name")
+
+    def _use_machine(self, machine: str, source: str) -> None:
+        """A better machine id (the Node's providerID); the next snapshot carries it, so a
+        change is an inventory change with new records."""
+        if (machine, source) != (self.machine, self.machine_source):
+            _log.info("machine identity", extra={"machine": machine, "machine_source": source})
+            self.machine, self.machine_source = machine, source
 
     # ---- collection ------------------------------------------------------------------------
 
@@ -161,8 +182,9 @@ class Agent:
         )
         self.inventory = inventory
         self.samples = reading.samples
+        await self._check_health(inventory, reading)
         self._rendered = gpu_metrics.render(
-            inventory, reading.samples, self.settings.metrics_naming
+            inventory, reading.samples, self.settings.metrics_naming, self.health.snapshot()
         )
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
@@ -172,6 +194,7 @@ class Agent:
         else:
             self.board.set("nvml", "ok")
         self.emitter.offer(inventory)
+        self.labelling.offer(inventory)
         return True
 
     def _nvml_down(self, reason: str, stage: str) -> None:
@@ -186,10 +209,105 @@ class Agent:
                 failures = 0
                 delay = self.settings.collect_interval
             else:
+                # Exponential from the collection interval, jittered so a fleet whose driver
+                # came back at once does not retry in lockstep.
                 failures += 1
-                cap = min(NVML_BACKOFF_MAX, 2.0**failures)
+                cap = min(NVML_BACKOFF_MAX, self.settings.collect_interval * 2.0**failures)
                 delay = random.uniform(cap / 2, cap)
             await asyncio.sleep(delay)
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def _init_health(self) -> None:
+        settings = self.settings
+        self.health = HealthTracker(window=settings.health_window, xid_hold=settings.xid_hold)
+        self.health_reader = HealthReader(self.nvml.reader.api)
+        self.health_publisher = HealthPublisher(self.pipeline.publish)
+        # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
+        # long stopping the XID thread takes.
+        wait_ms = int(min(1000.0, max(50.0, settings.collect_interval * 1000)))
+        self.xid = XidWatcher(self.nvml.reader.api, self._xid_from_thread, wait_ms=wait_ms)
+        # The kubelet's allocatable GPU count, when a pod-resources client provides it; used
+        # when EXPECTED_GPU_COUNT is -1.
+        self.allocatable_gpu_count: Callable[[], int | None] = lambda: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.conditions = (
+            NodeConditionWriter(self.node, self.board, kube_api=settings.kube_api)
+            if settings.node_conditions
+            else None
+        )
+
+    def _expected_gpus(self) -> tuple[int | None, str]:
+        if self.settings.expected_gpu_count >= 0:
+            return self.settings.expected_gpu_count, "EXPECTED_GPU_COUNT"
+        return self.allocatable_gpu_count(), "kubelet allocatable"
+
+    async def _check_health(self, inventory: NodeInventory, reading: NvmlReading) -> None:
+        readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
+        try:
+            signals = await self.nvml.run(lambda: self.health_reader.read(readable))
+        except Exception as exc:  # a health bug must not stop collection
+            self.board.set("health", "degraded", f"health read failed: {exc!r}")
+            return
+        self._loop = asyncio.get_running_loop()
+        self.xid.watch(readable)
+        expected, source = self._expected_gpus()
+        transitions = self.health.observe(
+            inventory.gpus,
+            signals,
+            reading.lost,
+            expected_gpus=expected,
+            expected_source=source,
+            xid_unsupported=self.xid.unsupported,
+            xid_unavailable=self.xid.unavailable,
+        )
+        if self.xid.unavailable:
+            self.board.set("health", "degraded", self.xid.unavailable)
+        else:
+            self.board.set("health", "ok")
+        self._publish_health(transitions)
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
+
+    def _xid_from_thread(self, event: XidEvent) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            # the loop may close between the check and the call
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._on_xid, event)
+
+    def _on_xid(self, event: XidEvent) -> None:
+        self._publish_health(self.health.record_xid(event))
+        if self.conditions is not None:
+            self.conditions.offer(self.health.snapshot())
+        if self.inventory is not None:
+            self._rendered = gpu_metrics.render(
+                self.inventory, self.samples, self.settings.metrics_naming, self.health.snapshot()
+            )
+
+    def _publish_health(self, transitions: list[Transition]) -> None:
+        if not transitions or self.inventory is None:
+            return
+        for t in transitions:
+            level = 30 if t.current.state in ("degraded", "unhealthy") else 20
+            _log.log(
+                level,
+                f"GPU health: {t.check} is {t.current.state}",
+                extra={
+                    "gpu": t.index,
+                    "uuid": t.uuid,
+                    "check": t.check,
+                    "previous": t.previous.state if t.previous else None,
+                    "reason": t.current.reason,
+                    "action": t.current.action,
+                },
+            )
+        self.health_publisher.offer(health_records(transitions, self.inventory, source=self.source))
+
+    async def _stop_xid(self, within: float) -> None:
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.xid.stop, within):
+            _log.warning("XID thread still waiting at shutdown")
 
     # ---- AgentView for the server ----------------------------------------------------------
 
@@ -229,6 +347,8 @@ class Agent:
             "ready": ready,
             "problems": problems,
             "components": self.board.as_dict(),
+            "labels": self.labelling.status(),
+            "health": self.health.snapshot().as_dict(),
             "inventory": None
             if inventory is None
             else {
@@ -264,6 +384,10 @@ class Agent:
         for worker in self.pipeline.workers:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
+        await self.labelling.start(self.supervisor.spawn)
+        self.supervisor.spawn("health-records", self.health_publisher.run())
+        if self.conditions is not None and await self.conditions.open():
+            self.supervisor.spawn("node-conditions", self.conditions.run())
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(
             "agent started",
@@ -281,9 +405,13 @@ class Agent:
         grace = self.settings.shutdown_grace
         deadline = time.monotonic() + grace
         await self.supervisor.stop("collector")
+        await self._stop_xid(max(0.0, deadline - time.monotonic()))
         self.emitter.stop()
+        self.health_publisher.stop()
         if not await self.supervisor.wait("emitter", max(0.0, deadline - time.monotonic())):
             await self.supervisor.stop("emitter")
+        if not await self.supervisor.wait("health-records", max(0.0, deadline - time.monotonic())):
+            await self.supervisor.stop("health-records")
         for worker in self.pipeline.workers:
             worker.close_intake()
         names = [f"exporter:{w.name}" for w in self.pipeline.workers]
@@ -296,7 +424,10 @@ class Agent:
         await self.supervisor.stop()
         for worker in self.pipeline.workers:
             await worker.exporter.close()
+        if self.conditions is not None:
+            await self.conditions.close()
         await self.nvml.close()
+        await self.labelling.close()
         if self._runner is not None:
             await self._runner.cleanup()
         _log.info("agent stopped")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from pydantic_settings import NoDecode
 
 from gpuid_agent import __version__, log
 from gpuid_agent.config import Settings, load_settings
@@ -26,11 +27,14 @@ EXIT_NVML = 3
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (each also read from its environment variable)")
     for name, field in Settings.model_fields.items():
+        # comma-list settings may also be given as a repeated flag (--fault a --fault b)
+        repeatable = NoDecode in field.metadata
         group.add_argument(
             f"--{name.replace('_', '-')}",
             dest=f"setting_{name}",
             metavar=name.upper(),
             default=None,
+            action="append" if repeatable else "store",
             help=field.description,
         )
 
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        key.removeprefix("setting_"): value
+        key.removeprefix("setting_"): ",".join(value) if isinstance(value, list) else value
         for key, value in vars(args).items()
         if key.startswith("setting_") and value is not None
     }

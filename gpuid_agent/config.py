@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gpuid_agent.errors import ConfigError
+from gpuid_agent.fault_spec import parse_faults
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -81,6 +82,10 @@ def _exporters(value: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _faults(value: list[str]) -> list[str]:
+    return [str(f) for f in parse_faults(value)]
+
+
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 PositiveDuration = Annotated[float, BeforeValidator(parse_duration), AfterValidator(_positive)]
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_list)]
@@ -128,7 +133,7 @@ class Settings(BaseSettings):
     )
     batch_size: int = Field(10, ge=1, le=100_000, description="Records per batch.")
     flush_interval: PositiveDuration = Field(
-        5.0, description="Send a partial batch after this long."
+        2.0, description="Send a partial batch after this long."
     )
     queue_size: int = Field(10_000, ge=1, description="Records buffered per exporter in memory.")
     retry_count: int = Field(2, ge=0, le=100, description="Retries per batch attempt cycle.")
@@ -206,6 +211,9 @@ class Settings(BaseSettings):
         "gpuid.github.com", description="Prefix of the node labels."
     )
     label_resync_interval: PositiveDuration = Field(600.0, description="Label resync period.")
+    label_startup_jitter: Duration = Field(
+        30.0, description="Random delay (0 to this) before the first label patch."
+    )
     label_annotation: bool = Field(True, description="Also write a JSON detail annotation.")
     dmi_product_uuid_path: str = Field(
         "/sys/class/dmi/id/product_uuid", description="DMI product UUID file."
@@ -227,6 +235,17 @@ class Settings(BaseSettings):
         -1, ge=-1, description="Expected GPUs on the node; -1 takes the kubelet's count."
     )
     node_conditions: bool = Field(False, description="Write a Node condition per unhealthy GPU.")
+    health_window: PositiveDuration = Field(
+        300.0, description="Window of the ECC-growth and clock-slowdown rate checks."
+    )
+    xid_hold: PositiveDuration = Field(
+        600.0, description="How long a non-latching XID keeps its GPU degraded."
+    )
+    fault: Annotated[CommaList, AfterValidator(_faults)] = Field(
+        default_factory=list,
+        description="Faults a simulated node injects: <kind>:gpu<N>[@<delay>], comma list "
+        "(xid79:gpu2, lost:gpu3, remap-pending:gpu1, ecc-growth:gpu0, thermal:gpu1, ...).",
+    )
 
     def effective_node_name(self) -> str:
         return self.node_name or socket.gethostname()
@@ -268,6 +287,8 @@ def _cross_checks(settings: Settings) -> dict[str, str]:
     for exporter, (field, why) in needs.items():
         if exporter in settings.exporter_type and not getattr(settings, field):
             problems[env_name(field)] = why
+    if settings.fault and not settings.simulate:
+        problems["FAULT"] = "faults are injected into a simulated node only: set SIMULATE too"
     for field in ("postgres_table", "postgres_allocations_table", "postgres_events_table"):
         if not re.fullmatch(
             r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", getattr(settings, field)

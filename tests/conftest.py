@@ -1,3 +1,82 @@
-"""Shared test plugins: the real servers the exporter tests run against."""
+"""Fixtures shared by the suite."""
 
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.config import Settings, load_settings
+
+# The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
 pytest_plugins = ["tests.servers.fixtures"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests build settings explicitly; the developer's environment must not leak in."""
+    for name in Settings.model_fields:
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "server_address": "127.0.0.1",
+        "server_port": 0,
+        "node_name": "node-a",
+        "cluster_name": "test",
+        "collect_interval": 0.05,
+        "flush_interval": 0.05,
+        "labels": "off",
+        "kube_api": "off",
+        "dmi_product_uuid_path": "",
+        "machine_id_path": "",
+    }
+    base.update(overrides)
+    return load_settings(base)
+
+
+@asynccontextmanager
+async def running_agent(agent: Agent) -> AsyncIterator[Agent]:
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.stop()
+
+
+async def eventually(check: Callable[[], Any], within: float = 10.0, step: float = 0.02) -> Any:
+    """Poll `check` until it returns something truthy; fail with its last value."""
+    deadline = asyncio.get_running_loop().time() + within
+    value = None
+    while asyncio.get_running_loop().time() < deadline:
+        value = check()
+        if value:
+            return value
+        await asyncio.sleep(step)
+    raise AssertionError(f"condition not met within {within}s (last value {value!r})")
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    """Environment for agent subprocesses: this interpreter's, without our settings."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in Settings.model_fields}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+from tests.fakenvml.fixtures import fake_nvml, fake_nvml_build_dir, fake_nvml_lib  # noqa: E402
+
+__all__ = ["fake_nvml", "fake_nvml_build_dir", "fake_nvml_lib"]

@@ -3,32 +3,55 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import pynvml
 
+from gpuid_agent.fault_spec import Fault, parse_fault
 from gpuid_agent.model import PlatformInfo
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
+from gpuid_agent.sources.health_signals import FabricInfo, NvmlEvent, RemappedRows
 
 
 def _fail(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
+# A healthy GB200 fabric health mask: every 2-bit condition "false", configuration "none",
+# partition assigned, fabric manager connected (NVML_GPU_FABRIC_HEALTH_MASK_* values).
+_FABRIC_HEALTHY_MASK = 2 | 2 << 2 | 2 << 4 | 2 << 6 | 1 << 8 | 1 << 12 | 1 << 14
+_FABRIC_DEGRADED_BW = (_FABRIC_HEALTHY_MASK & ~0x3) | 1
+_CLOCK_FAULTS = {"thermal": 0x8 | 0x20 | 0x40, "power-brake": 0x8 | 0x80, "hw-slowdown": 0x8}
+
+
+class _SimEventSet:
+    def __init__(self) -> None:
+        self.gpus: set[int] = set()
+        self.delivered: set[tuple[int, int, int]] = set()
+
+
 class SimulatedNvml:
-    def __init__(self, profile: str, node: str) -> None:
+    def __init__(self, profile: str, node: str, faults: Sequence[str | Fault] = ()) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(PROFILES)}")
         self.gpus: list[SimGpu] = PROFILES[profile](node)
         self._init = False
         self._t0 = time.monotonic()
+        self.faults = [f if isinstance(f, Fault) else parse_fault(f) for f in faults]
+        for fault in self.faults:
+            if fault.gpu >= len(self.gpus):
+                raise ValueError(f"fault {fault}: profile {profile} has {len(self.gpus)} GPUs")
+        self._events = threading.Condition()
+        self._injected: list[tuple[int, int, int]] = []  # (gpu, code, sequence)
 
     def _gpu(self, handle: Any) -> SimGpu:
         if not self._init:
             raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
         if isinstance(handle, SimGpu):
-            if handle.lost:
+            if handle.lost or self._fault(handle, "lost"):
                 raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
             return handle
         raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -140,3 +163,114 @@ class SimulatedNvml:
     def power_usage_mw(self, handle: Any) -> int:
         gpu = self._gpu(handle)
         return 90_000 + round(600_000 * self._wave(gpu, 30.0))
+
+    # ---- faults and health signals -------------------------------------------------------
+
+    def _fault(self, gpu: SimGpu, kind: str) -> Fault | None:
+        index = self.gpus.index(gpu)
+        elapsed = time.monotonic() - self._t0
+        for fault in self.faults:
+            if fault.gpu == index and fault.kind == kind and elapsed >= fault.delay:
+                return fault
+        return None
+
+    def _since(self, fault: Fault) -> float:
+        return max(0.0, time.monotonic() - self._t0 - fault.delay)
+
+    def ecc_errors(self, handle: Any, error_type: int, counter_type: int) -> int:
+        gpu = self._gpu(handle)
+        if error_type == 0:  # corrected: grows two a second under ecc-growth
+            growth = self._fault(gpu, "ecc-growth")
+            return int(2 * self._since(growth)) + 1 if growth else 0
+        return 1 if self._fault(gpu, "ecc-uncorrected") else 0
+
+    def retired_pages_pending(self, handle: Any) -> bool:
+        return self._fault(self._gpu(handle), "retired-pending") is not None
+
+    def remapped_rows(self, handle: Any) -> RemappedRows:
+        gpu = self._gpu(handle)
+        pending = self._fault(gpu, "remap-pending") is not None
+        failure = self._fault(gpu, "remap-failure") is not None
+        return RemappedRows(0, int(pending or failure), pending, failure)
+
+    def clocks_event_reasons(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        mask = 0
+        for kind, bits in _CLOCK_FAULTS.items():
+            if self._fault(gpu, kind):
+                mask |= bits
+        return mask
+
+    def fabric_info(self, handle: Any) -> FabricInfo:
+        gpu = self._gpu(handle)
+        if gpu.platform is None:  # HGX boards: not part of a multi-node NVLink fabric
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        degraded = self._fault(gpu, "fabric-degraded") is not None
+        return FabricInfo(
+            state=3,
+            status=0,
+            health_mask=_FABRIC_DEGRADED_BW if degraded else _FABRIC_HEALTHY_MASK,
+            clique_id=32766,
+            cluster_uuid=None,
+            health_summary=3 if degraded else 1,
+        )
+
+    def persistence_mode(self, handle: Any) -> int:
+        return 0 if self._fault(self._gpu(handle), "persistence-off") else 1
+
+    # ---- XID events ----------------------------------------------------------------------
+
+    def inject_xid(self, index: int, code: int) -> None:
+        """Deliver an XID on GPU `index` to every event set watching it."""
+        with self._events:
+            self._injected.append((index, code, len(self._injected)))
+            self._events.notify_all()
+
+    def event_set_create(self) -> Any:
+        if not self._init:
+            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        return _SimEventSet()
+
+    def register_xid_events(self, handle: Any, event_set: Any) -> None:
+        gpu = self._gpu(handle)
+        with self._events:
+            event_set.gpus.add(self.gpus.index(gpu))
+
+    def _due(self, event_set: _SimEventSet) -> tuple[int, int, int] | None:
+        elapsed = time.monotonic() - self._t0
+        candidates = [
+            (f.gpu, f.code or 0, -1 - n)
+            for n, f in enumerate(self.faults)
+            if f.kind == "xid" and elapsed >= f.delay
+        ]
+        for item in [*candidates, *self._injected]:
+            if item[0] in event_set.gpus and item not in event_set.delivered:
+                return item
+        return None
+
+    def event_set_wait(self, event_set: Any, timeout_ms: int) -> NvmlEvent:
+        if not self._init:
+            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        deadline = time.monotonic() + timeout_ms / 1000
+        with self._events:
+            while (due := self._due(event_set)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _fail(pynvml.NVML_ERROR_TIMEOUT)
+                # wake for injections at once, for delayed faults within 50 ms
+                self._events.wait(min(left, 0.05))
+            event_set.delivered.add(due)
+        gpu, code, _ = due
+        return NvmlEvent(
+            device=id(self.gpus[gpu]),
+            event_type=pynvml.nvmlEventTypeXidCriticalError,
+            data=code,
+            gpu_instance_id=0xFFFFFFFF,
+            compute_instance_id=0xFFFFFFFF,
+        )
+
+    def event_set_free(self, event_set: Any) -> None:
+        return None
+
+    def device_key(self, handle: Any) -> Hashable:
+        return id(handle)

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
-from gpuid_agent.model import GpuSample, NodeInventory
+from gpuid_agent.health.model import NodeHealth
+from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
 
 Naming = Literal["prometheus", "dcgm"]
 MIB = 1024 * 1024
@@ -128,15 +129,7 @@ def build_families(
         for f in FIELDS
     }
     for gpu in inventory.gpus:
-        values = [
-            str(gpu.index),
-            gpu.uuid,
-            gpu.pci_bus_id or "",
-            gpu.device,
-            gpu.name or "",
-            inventory.node,
-            gpu.serial or "",
-        ]
+        values = _label_values(inventory, gpu)
         info.add_metric(
             [
                 *values,
@@ -164,10 +157,16 @@ class RenderedMetrics:
 
 
 def render(
-    inventory: NodeInventory, samples: Mapping[str, GpuSample], naming: Naming
+    inventory: NodeInventory,
+    samples: Mapping[str, GpuSample],
+    naming: Naming,
+    health: NodeHealth | None = None,
 ) -> RenderedMetrics:
+    families = build_families(inventory, samples, naming)
+    if health is not None:
+        families.extend(build_health_families(inventory, health, naming))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(build_families(inventory, samples, naming)))
+    registry.register(_Families(families))
     return RenderedMetrics(
         text=generate_latest(registry),
         openmetrics=openmetrics.generate_latest(registry),  # type: ignore[no-untyped-call]
@@ -175,3 +174,75 @@ def render(
 
 
 EMPTY = RenderedMetrics(text=b"", openmetrics=b"# EOF\n")
+
+
+def _label_values(inventory: NodeInventory, gpu: GpuIdentity) -> list[str]:
+    """Values of LABELS for one GPU, in order."""
+    return [
+        str(gpu.index),
+        gpu.uuid,
+        gpu.pci_bus_id or "",
+        gpu.device,
+        gpu.name or "",
+        inventory.node,
+        gpu.serial or "",
+    ]
+
+
+# ---- health ------------------------------------------------------------------------------
+# One series per GPU and check (and "overall") with value 1, labelled with its current state
+# and suggested action: `gpuid_gpu_health_state{state="unhealthy"} == 1` finds every broken
+# GPU. Only the current state is exposed, so a node costs one series per check, not five.
+# The names are the same under both namings (dcgm-exporter has no equivalent), except that
+# dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as dcgm-exporter reports it.
+
+HEALTH_STATE = "gpuid_gpu_health_state"
+NODE_HEALTH_STATE = "gpuid_node_health_state"
+XID_ERRORS = "gpuid_gpu_xid_errors"  # exposed as gpuid_gpu_xid_errors_total
+DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
+
+
+def health_metric_names(naming: Naming) -> list[str]:
+    names = [HEALTH_STATE, NODE_HEALTH_STATE, f"{XID_ERRORS}_total"]
+    return [*names, DCGM_XID] if naming == "dcgm" else names
+
+
+def build_health_families(
+    inventory: NodeInventory, health: NodeHealth, naming: Naming
+) -> list[Metric]:
+    dcgm = naming == "dcgm"
+    label_names = [d if dcgm else p for p, d in LABELS]
+    state = GaugeMetricFamily(
+        HEALTH_STATE,
+        "GPU health per check (and overall): 1 on the series of the current state and action.",
+        labels=[*label_names, "check", "state", "action"],
+    )
+    xids = CounterMetricFamily(
+        XID_ERRORS,
+        "XID errors reported by the driver since the agent started, by code.",
+        labels=[*label_names, "xid"],
+    )
+    last_xid = GaugeMetricFamily(DCGM_XID, "Value of the last XID error seen.", labels=label_names)
+    by_uuid = inventory.gpu_by_uuid()
+    for gpu_health in health.gpus:
+        gpu = by_uuid.get(gpu_health.uuid)
+        if gpu is None:
+            continue
+        values = _label_values(inventory, gpu)
+        state.add_metric([*values, "overall", gpu_health.state, gpu_health.action], 1)
+        for name, check in gpu_health.checks.items():
+            state.add_metric([*values, name, check.state, check.action], 1)
+        for code, count in sorted(gpu_health.xid_counts.items()):
+            xids.add_metric([*values, str(code)], count)
+        last_xid.add_metric(values, gpu_health.last_xid or 0)
+    node = GaugeMetricFamily(
+        NODE_HEALTH_STATE,
+        "Node-level GPU health checks: 1 on the series of the current state and action.",
+        labels=["hostname" if not dcgm else "Hostname", "check", "state", "action"],
+    )
+    for name, check in health.node_checks.items():
+        node.add_metric([inventory.node, name, check.state, check.action], 1)
+    families: list[Metric] = [state, node, xids]
+    if dcgm:
+        families.append(last_xid)
+    return families

@@ -1,11 +1,12 @@
 """Records → intake queue → batcher → store (memory or disk spool) → sender, one per exporter.
 
-Each exporter has its own intake, batcher, store, retry state and metrics. The batcher moves
-records from the intake into the store whatever the sink's state, so a dead sink never blocks
-the producer or another exporter: its undelivered batches pile up in its own bounded store
-(the disk spool with SPOOL_DIR, else memory), whose oldest batches are dropped, counted and
-logged when it is full. The sender delivers the oldest stored batch, with retries; a batch is
-removed from the store only once delivered, so with the spool a crash or restart re-sends it.
+Each exporter has its own intake, batcher, store, retry state and metrics. While its sink
+delivers, a full store makes the batcher wait, the intake fills and `publish` waits: a slow
+sink slows the producer down and loses nothing. Once the sink fails, the batcher no longer
+waits: the oldest stored batches are dropped, counted and logged instead, so a dead sink never
+blocks the producer (for longer than one attempt's TIMEOUT) or another exporter. The sender
+delivers the oldest stored batch, with retries; a batch leaves the store only once delivered,
+so with the disk spool (SPOOL_DIR) a crash or restart re-sends it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import random
 import time
 from collections.abc import Sequence
@@ -73,11 +75,19 @@ class ExporterWorker:
         store_problem: str | None = None,
     ) -> None:
         self.exporter = exporter
+        # Exporters written before batch identities existed take the batch alone.
+        self._pass_meta = "meta" in inspect.signature(exporter.export).parameters
         self.policy = policy
-        self.store = store if store is not None else MemoryBatches(policy.queue_size)
+        # QUEUE_SIZE bounds the records held in memory: half waits in the intake, half in
+        # batches (memory-only mode).
+        intake = max(1, policy.queue_size // 2)
+        self.store = (
+            store if store is not None else MemoryBatches(max(1, policy.queue_size - intake))
+        )
         self.store_problem = store_problem  # why the spool could not be used, if it could not
         self._metrics = metrics
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=policy.queue_size)
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=intake)
+        self._room = asyncio.Event()  # set when the store shrinks or the sink starts failing
         self._closing = False
         self._closed = asyncio.Event()
         self._stored = asyncio.Event()
@@ -147,6 +157,9 @@ class ExporterWorker:
                 records = await self._next_batch()
                 if not records:
                     continue
+                while self.store.full(len(records)) and not self.consecutive_failures:
+                    self._room.clear()  # a delivering sink: wait for it (backpressure)
+                    await self._room.wait()
                 dropped = await self.store.add(records)
                 self._dropped(dropped, "spool_full" if self.store.durable else "buffer_full")
                 self._update_gauges()
@@ -179,7 +192,12 @@ class ExporterWorker:
         name = self.name
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(self.exporter.export(batch, meta), self.policy.timeout)
+            call = (
+                self.exporter.export(batch, meta)
+                if self._pass_meta
+                else self.exporter.export(batch)
+            )
+            await asyncio.wait_for(call, self.policy.timeout)
         except TimeoutError as exc:
             raise ExportError(
                 f"export timed out after {self.policy.timeout}s", error_type="timeout"
@@ -231,6 +249,7 @@ class ExporterWorker:
 
     def _record_failure(self, error_type: str, message: str, retry_after: float | None) -> None:
         self.consecutive_failures += 1
+        self._room.set()  # a waiting batcher now drops the oldest instead of blocking
         self.last_error = message
         self._retry_after = retry_after
         self._health = None
@@ -267,6 +286,7 @@ class ExporterWorker:
             return outcome
         finally:
             batch.in_flight = False
+            self._room.set()
             self._update_gauges()
 
     async def _set_aside(self, batch: StoredBatch, why: str) -> None:

@@ -207,6 +207,10 @@ class NvmlSource:
     async def _call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the NVML thread (for readers beside this one, such as health)."""
+        return await self._call(fn)
+
     async def init(self) -> None:
         """Initialise NVML; raises NvmlUnavailableError with the reason."""
         try:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import uuid as uuidlib
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 import pynvml
 
 from gpuid_agent.errors import NvmlUnavailableError
 from gpuid_agent.model import PlatformInfo
+from gpuid_agent.sources.health_signals import FabricInfo, NvmlEvent, RemappedRows
 
 Handle = Any
+EventSet = Any
 
 PLATFORM_INFO_V2 = (2 << 24) | 0x2C
 _PLATFORM_V2 = struct.Struct("<I16s16s5B")
@@ -47,6 +51,22 @@ class NvmlApi(Protocol):
     def memory_info(self, handle: Handle) -> tuple[int, int, int]: ...
     def temperature(self, handle: Handle) -> int: ...
     def power_usage_mw(self, handle: Handle) -> int: ...
+
+    # health signals (see gpuid_agent.health); error_type 0/1 = corrected/uncorrected,
+    # counter_type 0/1 = volatile/aggregate, as NVML numbers them
+    def ecc_errors(self, handle: Handle, error_type: int, counter_type: int) -> int: ...
+    def retired_pages_pending(self, handle: Handle) -> bool: ...
+    def remapped_rows(self, handle: Handle) -> RemappedRows: ...
+    def clocks_event_reasons(self, handle: Handle) -> int: ...
+    def fabric_info(self, handle: Handle) -> FabricInfo: ...
+    def persistence_mode(self, handle: Handle) -> int: ...
+
+    # XID events; waited on in their own thread, never the NVML reader thread
+    def event_set_create(self) -> EventSet: ...
+    def register_xid_events(self, handle: Handle, event_set: EventSet) -> None: ...
+    def event_set_wait(self, event_set: EventSet, timeout_ms: int) -> NvmlEvent: ...
+    def event_set_free(self, event_set: EventSet) -> None: ...
+    def device_key(self, handle: Handle) -> Hashable: ...
 
 
 def _text(raw: bytes) -> str | None:
@@ -197,3 +217,81 @@ class PynvmlApi:
 
     def power_usage_mw(self, handle: Handle) -> int:
         return int(pynvml.nvmlDeviceGetPowerUsage(handle))
+
+    # ---- health signals ----------------------------------------------------------------
+
+    def ecc_errors(self, handle: Handle, error_type: int, counter_type: int) -> int:
+        return int(pynvml.nvmlDeviceGetTotalEccErrors(handle, error_type, counter_type))
+
+    def retired_pages_pending(self, handle: Handle) -> bool:
+        return bool(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
+
+    def remapped_rows(self, handle: Handle) -> RemappedRows:
+        corr, unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(handle)
+        return RemappedRows(int(corr), int(unc), bool(pending), bool(failure))
+
+    def clocks_event_reasons(self, handle: Handle) -> int:
+        try:
+            return int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        except pynvml.NVMLError_FunctionNotFound:
+            # drivers before 535 only have the older name of the same call
+            return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+
+    def fabric_info(self, handle: Handle) -> FabricInfo:
+        # v3 adds the health summary; drivers that predate it answer VERSION_MISMATCH.
+        # Only the V call carries the health mask: a driver lacking it raises
+        # FunctionNotFound, which the reader reports as "not supported".
+        v3 = getattr(pynvml, "c_nvmlGpuFabricInfo_v3_t", None)
+        if v3 is not None:
+            info = v3()
+            try:
+                pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+            except pynvml.NVMLError as exc:
+                if getattr(exc, "value", None) != pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH:
+                    raise
+            else:
+                return _fabric(info, int(info.healthSummary))
+        info = pynvml.c_nvmlGpuFabricInfo_v2_t()
+        pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+        return _fabric(info, None)
+
+    def persistence_mode(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetPersistenceMode(handle))
+
+    # ---- XID events ----------------------------------------------------------------------
+
+    def event_set_create(self) -> EventSet:
+        return pynvml.nvmlEventSetCreate()
+
+    def register_xid_events(self, handle: Handle, event_set: EventSet) -> None:
+        pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+
+    def event_set_wait(self, event_set: EventSet, timeout_ms: int) -> NvmlEvent:
+        data = pynvml.nvmlEventSetWait_v2(event_set, timeout_ms)
+        return NvmlEvent(
+            device=self.device_key(data.device),
+            event_type=int(data.eventType),
+            data=int(data.eventData),
+            gpu_instance_id=int(data.gpuInstanceId),
+            compute_instance_id=int(data.computeInstanceId),
+        )
+
+    def event_set_free(self, event_set: EventSet) -> None:
+        pynvml.nvmlEventSetFree(event_set)
+
+    def device_key(self, handle: Handle) -> Hashable:
+        # Two ctypes pointers to the same device do not compare equal; their addresses do.
+        # An XID 79 GPU may fail every call, so the key must not need one.
+        return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+def _fabric(info: Any, summary: int | None) -> FabricInfo:
+    uuid = bytes(info.clusterUuid)
+    return FabricInfo(
+        state=int(info.state),
+        status=int(info.status),
+        health_mask=int(info.healthMask),
+        clique_id=int(info.cliqueId),
+        cluster_uuid=str(uuidlib.UUID(bytes=uuid)) if any(uuid) else None,
+        health_summary=summary,
+    )

@@ -64,6 +64,9 @@
  *   clocks_event_reasons                        64-bit mask
  *   fabric_state, fabric_status, fabric_health_mask, fabric_clique_id,
  *   fabric_health_summary
+ *   fabric_max_version  highest nvmlGpuFabricInfo structure version the V call
+ *                   accepts (default 3); 2 rejects v3 with ARGUMENT_VERSION_MISMATCH,
+ *                   as drivers that predate the health summary do
  *   fabric_cluster_uuid  UUID text (dashes allowed) -> 16 bytes
  *   supported_events     64-bit mask, default 0x1f
  *   lost            1: every call taking a handle of this GPU (or of one of
@@ -72,7 +75,8 @@
  * platform info, fabric info) is supported when at least one of its keys is
  * set; the unset ones read as 0.
  *
- * MIG keys: uuid, name, gi_id, ci_id, mem_total, mem_used, mem_free.
+ * MIG keys: uuid, name, gi_id, ci_id, mem_total, mem_used, mem_free.  Any
+ * line for slot j (even an unknown key such as "defined 1") creates it.
  * MIG devices are returned by nvmlDeviceGetMigDeviceHandleByIndex only while
  * the parent's mig_mode is 1; an undefined slot j gives NVML_ERROR_NOT_FOUND.
  * Calls other than UUID/name/memory/instance ids/parent lookups return
@@ -82,8 +86,9 @@
  * <field-key> is the exported function name (e.g. nvmlDeviceGetPowerUsage),
  * one of the keys it reads (e.g. power_mw), or its group name:
  *   handle (nvmlDeviceGetHandleBy*), index, pci_info, platform_info,
- *   utilization, memory, clock, ecc, remapped_rows, clocks_event_reasons,
- *   fabric_info, events, mig.
+ *   utilization (also util_enc/util_dec), memory, power, energy, clock, ecc,
+ *   remapped_rows, clocks_event_reasons, fabric_info, events, mig.
+ * An error on a GPU does not apply to its MIG devices and vice versa.
  *
  * Events: nvmlDeviceRegisterEvents records the mask per GPU in the set; each
  * nvmlEventSetWait_v2 call counts one wait on its set.  An xid line is
@@ -105,6 +110,9 @@
 #include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
+
+/* Builds with -DOMIT_<symbol> leave some static helpers without callers. */
+#pragma GCC diagnostic ignored "-Wunused-function"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -1501,7 +1509,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t devic
 struct fabric_values {
     unsigned char uuid[16];
     nvmlReturn_t status;
-    unsigned int clique, state, health_mask, health_summary;
+    unsigned int clique, state, health_mask, health_summary, max_version;
 };
 
 /* Caller holds g_lock. */
@@ -1527,6 +1535,7 @@ static nvmlReturn_t fabric_values(nvmlDevice_t device, const char *fn, struct fa
     out->clique = (unsigned int)gpu_u64_or(g, "fabric_clique_id", 0, &any);
     out->health_mask = (unsigned int)gpu_u64_or(g, "fabric_health_mask", 0, &any);
     out->health_summary = (unsigned int)gpu_u64_or(g, "fabric_health_summary", 0, &any);
+    out->max_version = (unsigned int)gpu_u64_or(g, "fabric_max_version", 3, NULL);
     return any ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
 }
 
@@ -1556,6 +1565,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device,
     if (!gpuFabricInfo) RET(NVML_ERROR_INVALID_ARGUMENT);
     unsigned int version = gpuFabricInfo->version;
     if (version != NVML_FABRIC_INFO_V2 && version != NVML_FABRIC_INFO_V3)
+        RET(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (version == NVML_FABRIC_INFO_V3 && fv.max_version < 3)
         RET(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
     memcpy(gpuFabricInfo->clusterUuid, fv.uuid, 16);
     gpuFabricInfo->status = fv.status;

@@ -73,6 +73,10 @@ class BatchStore(ABC):
     def oldest(self) -> StoredBatch | None:
         return next(iter(self._pending.values()), None)
 
+    @abstractmethod
+    def full(self, records: int) -> bool:
+        """Whether adding `records` more would pass the bound (never for an empty store)."""
+
     @property
     def batches(self) -> int:
         return len(self._pending)
@@ -95,6 +99,9 @@ class MemoryBatches(BatchStore):
     def __init__(self, max_records: int) -> None:
         super().__init__()
         self.max_records = max(1, max_records)
+
+    def full(self, records: int) -> bool:
+        return bool(self._pending) and self.records + records > self.max_records
 
     async def add(self, records: list[Record]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records), records=records)
@@ -239,6 +246,9 @@ class DiskSpool(BatchStore):
 
     def describe(self) -> str:
         return str(self.directory)
+
+    def full(self, records: int) -> bool:
+        return bool(self._pending) and self._bytes >= self.max_bytes
 
     async def add(self, records: list[Record]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records))

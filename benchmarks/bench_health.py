@@ -1,0 +1,184 @@
+"""GPU health: evaluation and reading cost per collection, /gpu/metrics growth, XID latency."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.common import Row, median, percentile
+from gpuid_agent import log
+from gpuid_agent.agent import Agent
+from gpuid_agent.config import load_settings
+from gpuid_agent.health.tracker import HealthTracker
+from gpuid_agent.model import GpuIdentity
+from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.sinks import gpu_metrics
+from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.health_nvml import HealthReader
+from gpuid_agent.sources.health_signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
+from gpuid_agent.sources.nvml import NvmlSource
+from gpuid_agent.sources.nvml_api import PynvmlApi
+
+GPUS = 8
+
+
+def _signals(i: int, tick: int) -> GpuHealthSignals:
+    return GpuHealthSignals(
+        index=i,
+        uuid=f"GPU-{i}",
+        ecc=EccCounts(tick // 100, 0, tick // 100, 0),
+        retired_pages_pending=False,
+        remapped_rows=RemappedRows(0, 0, False, False),
+        clocks_event_reasons=0x1 if tick % 3 else 0x4,
+        fabric=FabricInfo(3, 0, 0x5AAA, 1, None, 1),
+        persistence_mode=1,
+    )
+
+
+def _tracker_cost() -> float:
+    gpus = [GpuIdentity(index=i, uuid=f"GPU-{i}") for i in range(GPUS)]
+    clock = [0.0]
+    tracker = HealthTracker(window=300.0, clock=lambda: clock[0])
+    samples = []
+    for tick in range(2000):
+        clock[0] = tick * 10.0
+        signals = {i: _signals(i, tick) for i in range(GPUS)}
+        started = time.perf_counter()
+        tracker.observe(gpus, signals, {}, expected_gpus=GPUS)
+        tracker.snapshot()
+        samples.append(time.perf_counter() - started)
+    return median(samples) * 1e6
+
+
+async def _read_cost_fake_library() -> tuple[float, str]:
+    """HealthReader.read for 8 GPUs through the real pynvml and the C fake library."""
+    try:
+        from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml
+    except ImportError:
+        return float("nan"), "tests package not importable"
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build_fake_nvml(Path(tmp))
+        config = Path(tmp) / "fake.conf"
+        h100x8().write(config)
+        os.environ["FAKE_NVML_CONFIG"] = str(config)
+        load_fake_into_pynvml(lib)
+        api = PynvmlApi(str(lib))
+        source = NvmlSource(api)
+        await source.init()
+        try:
+            reading = await source.read()
+            targets = {g.index: g.uuid for g in reading.gpus}
+            reader = HealthReader(api)
+            samples = []
+            for _ in range(300):
+                started = time.perf_counter()
+                await source.run(lambda: reader.read(targets))
+                samples.append(time.perf_counter() - started)
+        finally:
+            await source.close()
+            os.environ.pop("FAKE_NVML_CONFIG", None)
+    return median(samples) * 1e3, "C fake libnvidia-ml; a real driver adds its own call cost"
+
+
+def _render_cost() -> tuple[float, float, int, int]:
+    api = SimulatedNvml("h100x8", "bench")
+    api.init()
+    from gpuid_agent.inventory import build_inventory
+    from gpuid_agent.sources.nvml import NvmlReader
+
+    reading = NvmlReader(api).read({})
+    inventory = build_inventory(
+        reading.gpus,
+        node="bench",
+        cluster="c",
+        machine="m",
+        machine_source="simulated",
+        driver_version=reading.driver_version,
+        cuda_driver_version=None,
+        read_time=datetime.now(UTC),
+    )
+    tracker = HealthTracker()
+    signals = HealthReader(api).read({g.index: g.uuid for g in reading.gpus})
+    tracker.observe(reading.gpus, signals, {}, expected_gpus=GPUS)
+    health = tracker.snapshot()
+
+    def timed(with_health: bool) -> tuple[float, int]:
+        samples, size = [], 0
+        for _ in range(200):
+            started = time.perf_counter()
+            out = gpu_metrics.render(
+                inventory, reading.samples, "prometheus", health if with_health else None
+            )
+            samples.append(time.perf_counter() - started)
+            size = len(out.text)
+        return median(samples) * 1e3, size
+
+    plain, plain_size = timed(False)
+    full, full_size = timed(True)
+    return plain, full, plain_size, full_size
+
+
+async def _xid_latency() -> list[float]:
+    api = SimulatedNvml("h100x8", "bench")
+    settings = load_settings(
+        {
+            "simulate": "h100x8",
+            "server_address": "127.0.0.1",
+            "server_port": 0,
+            "node_name": "bench",
+            "collect_interval": 1.0,
+            "xid_hold": 0.001,
+            "dmi_product_uuid_path": "",
+            "machine_id_path": "",
+        }
+    )
+    agent = Agent(settings, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    await agent.start()
+    latencies = []
+    try:
+        while not agent.xid.alive or agent.xid.unavailable:  # noqa: ASYNC110 - polled state
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the watcher registers the GPUs
+        for n in range(40):
+            gpu = n % GPUS
+            before = agent.health.snapshot().gpus[gpu].xid_counts.get(13, 0)
+            started = time.perf_counter()
+            api.inject_xid(gpu, 13)
+            # polling in 0.5 ms steps is the measurement (it adds up to 0.5 ms)
+            while agent.health.snapshot().gpus[gpu].xid_counts.get(13, 0) == before:  # noqa: ASYNC110
+                await asyncio.sleep(0.0005)
+            latencies.append(time.perf_counter() - started)
+    finally:
+        await agent.stop()
+    return latencies
+
+
+async def run() -> list[Row]:
+    log.configure("error")  # the XID latency run logs a transition per injection
+    rows = [
+        Row("health", "evaluate 8 GPUs (observe + snapshot)", _tracker_cost(), "µs", "median"),
+    ]
+    read_ms, note = await _read_cost_fake_library()
+    rows.append(Row("health", "read health signals, 8 GPUs", read_ms, "ms", note))
+    plain, full, plain_size, full_size = _render_cost()
+    rows += [
+        Row("health", "render /gpu/metrics, 8 GPUs, no health", plain, "ms", f"{plain_size} B"),
+        Row("health", "render /gpu/metrics, 8 GPUs, with health", full, "ms", f"{full_size} B"),
+    ]
+    latencies = await _xid_latency()
+    rows += [
+        Row("health", "XID injected → counted (p50)", median(latencies) * 1e3, "ms", "simulated"),
+        Row(
+            "health",
+            "XID injected → counted (p95)",
+            percentile(latencies, 95) * 1e3,
+            "ms",
+            "simulated",
+        ),
+    ]
+    return rows

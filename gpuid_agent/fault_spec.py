@@ -1,0 +1,82 @@
+"""The FAULT setting: faults a simulated node injects, `<kind>:gpu<N>[@<delay>]`.
+
+Kinds: `xid<code>` (an XID event), `lost`, `remap-pending`, `remap-failure`, `ecc-growth`,
+`ecc-uncorrected`, `retired-pending`, `thermal`, `power-brake`, `hw-slowdown`,
+`persistence-off`, `fabric-degraded`. The optional delay (`@30s`, `@2m`) starts the fault that
+long after the agent starts, so a demo shows the transition.
+
+A pure parser with no dependencies, so config validation and the simulator share it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+FAULT_KINDS = (
+    "lost",
+    "remap-pending",
+    "remap-failure",
+    "ecc-growth",
+    "ecc-uncorrected",
+    "retired-pending",
+    "thermal",
+    "power-brake",
+    "hw-slowdown",
+    "persistence-off",
+    "fabric-degraded",
+)
+_SPEC = re.compile(
+    r"^(?P<kind>xid(?P<code>\d{1,6})|[a-z-]+):gpu(?P<gpu>\d{1,3})"
+    r"(?:@(?P<delay>\d{1,6}(?:\.\d+)?)(?P<unit>ms|s|m|h)?)?$"
+)
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str  # one of FAULT_KINDS, or "xid"
+    gpu: int
+    code: int | None = None  # the XID code for kind "xid"
+    delay: float = 0.0
+
+    def __str__(self) -> str:
+        kind = f"xid{self.code}" if self.kind == "xid" else self.kind
+        return f"{kind}:gpu{self.gpu}" + (f"@{self.delay:g}s" if self.delay else "")
+
+
+def parse_fault(text: str) -> Fault:
+    """One fault spec; ValueError naming what is wrong."""
+    match = _SPEC.match(text.strip().lower())
+    if match is None:
+        raise ValueError(
+            f"bad fault {text!r}: expected <kind>:gpu<N>[@<delay>], "
+            "e.g. xid79:gpu2 or lost:gpu0@30s"
+        )
+    kind, code = match.group("kind"), match.group("code")
+    if code is None and kind not in FAULT_KINDS:
+        raise ValueError(
+            f"unknown fault kind {kind!r}; choose from xid<code>, {', '.join(FAULT_KINDS)}"
+        )
+    delay = 0.0
+    if match.group("delay"):
+        delay = float(match.group("delay")) * _UNITS[match.group("unit") or "s"]
+    return Fault(
+        kind="xid" if code is not None else kind,
+        gpu=int(match.group("gpu")),
+        code=int(code) if code is not None else None,
+        delay=delay,
+    )
+
+
+def parse_faults(items: list[str]) -> list[Fault]:
+    """Every spec, reporting all bad ones at once."""
+    faults, problems = [], []
+    for item in items:
+        try:
+            faults.append(parse_fault(item))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return faults

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuid_agent.config import load_settings, parse_duration
+from gpuid_agent.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 30),
+        ("2.5", 2.5),
+        ("30s", 30),
+        ("5m", 300),
+        ("1h", 3600),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        (" 10S ", 10),
+        (7, 7.0),
+        (0.5, 0.5),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["abc", "", "10x", "-5", "5m-", "m5", "nan", "inf", "1e999", True])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+@given(st.text(max_size=40))
+def test_duration_parser_never_crashes(text: str) -> None:
+    try:
+        value = parse_duration(text)
+    except ValueError:
+        return
+    assert math.isfinite(value) and value >= 0
+
+
+@given(st.integers(0, 10**6), st.sampled_from(["s", "m", "h"]))
+def test_duration_units_roundtrip(n: int, unit: str) -> None:
+    assert parse_duration(f"{n}{unit}") == n * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_every_bad_variable_is_named_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_SIZE", "-1")
+    monkeypatch.setenv("TIMEOUT", "abc")
+    monkeypatch.setenv("SERVER_PORT", "70000")
+    monkeypatch.setenv("EXPORTER_TYPE", "stdout,kafka")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert set(info.value.problems) == {"BATCH_SIZE", "TIMEOUT", "SERVER_PORT", "EXPORTER_TYPE"}
+    assert "kafka" in info.value.problems["EXPORTER_TYPE"]
+    assert "abc" in str(info.value)
+
+
+def test_secret_value_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSTGRES_PASSWORD", "hunter2")
+    monkeypatch.setenv("POSTGRES_PORT", "not-a-port")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "hunter2" not in str(info.value)
+    settings = load_settings({"postgres_port": 5432})
+    assert settings.redacted()["postgres_password"] == "<redacted>"
+    assert "hunter2" not in repr(settings)
+
+
+def test_exporter_requirements_are_cross_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXPORTER_TYPE", "http, postgres ,s3")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert set(info.value.problems) == {"HTTP_ENDPOINT", "POSTGRES_HOST", "S3_BUCKET"}
+
+
+def test_gpuid_defaults_and_cli_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCH_SIZE", "50")
+    s = load_settings()
+    assert (s.batch_size, s.retry_count, s.timeout, s.server_port) == (50, 2, 30.0, 8080)
+    assert s.exporter_type == ["stdout"]
+    assert s.heartbeat_interval == 3600
+    assert load_settings({"batch_size": "7"}).batch_size == 7
+
+
+@pytest.mark.parametrize("table", ["readings; drop table x", "1abc", "a.b.c", "x" * 64])
+def test_postgres_table_must_be_an_identifier(table: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"postgres_table": table})
+    assert "POSTGRES_TABLE" in info.value.problems

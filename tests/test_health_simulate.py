@@ -1,0 +1,208 @@
+"""Fault injection on a simulated node, the FAULT setting, and which threads touch NVML."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import orjson
+import pynvml
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.errors import ConfigError
+from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+from tests.conftest import eventually, running_agent, settings
+
+AGENT = [sys.executable, "-m", "gpuid_agent"]
+
+
+def _records(out: io.BytesIO, kind: str = "health") -> list[dict[str, Any]]:
+    rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def test_fault_setting_is_validated_naming_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        settings(simulate="gb200x4", fault="xid79:gpu2,melt:gpu1")
+    assert "FAULT" in str(info.value) and "melt" in str(info.value)
+    with pytest.raises(ConfigError, match=r"FAULT.*SIMULATE"):
+        settings(fault="lost:gpu0")
+    assert settings(simulate="gb200x4", fault="XID79:GPU2, lost:gpu3@2s").fault == [
+        "xid79:gpu2",
+        "lost:gpu3@2s",
+    ]
+
+
+def test_fault_flag_repeats_and_takes_comma_lists(subprocess_env: dict[str, str]) -> None:
+    argv = ["check-config", "--simulate", "gb200x4", "--fault", "xid79:gpu2"]
+    done = subprocess.run(
+        [*AGENT, *argv, "--fault", "lost:gpu3,thermal:gpu1", "--exporter-type", "stdout"],
+        env=subprocess_env | {"FAULT": "ecc-growth:gpu0"},  # the flag wins over the env
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    config = orjson.loads(done.stdout)
+    assert config["fault"] == ["xid79:gpu2", "lost:gpu3", "thermal:gpu1"]
+    assert config["exporter_type"] == ["stdout"]  # a single use is unchanged
+    bad = subprocess.run(
+        [*AGENT, "check-config", "--fault", "xid79:gpu2"],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "FAULT" in bad.stderr and "SIMULATE" in bad.stderr
+
+
+def test_a_fault_on_a_gpu_the_profile_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match="has 4 GPUs"):
+        SimulatedNvml("gb200x4", "n", ["lost:gpu7"])
+
+
+async def test_simulated_faults_show_as_health() -> None:
+    faults = "xid79:gpu2,remap-pending:gpu1,ecc-growth:gpu0,lost:gpu3,persistence-off:gpu0"
+    out = io.BytesIO()
+    s = settings(simulate="gb200x4", fault=faults, health_window=1.0)
+    async with running_agent(Agent(s, exporters=[StdoutExporter(out)])) as agent:
+
+        def states() -> dict[int, dict[str, str]]:
+            return {
+                g.index: {n: c.state for n, c in g.checks.items()}
+                for g in agent.health.snapshot().gpus
+            }
+
+        await eventually(
+            lambda: (
+                (st := states())
+                and st.get(2, {}).get("xid") == "unhealthy"
+                and st[0]["ecc"] == "degraded"
+                and st[1]["remapped_rows"] == "unhealthy"
+                and st[3]["lost"] == "unhealthy"
+            )
+        )
+        st = states()
+        assert st[0]["persistence"] == "degraded"
+        assert st[1]["ecc"] == "healthy" and st[2]["remapped_rows"] == "healthy"
+        await eventually(lambda: len(_records(out)) >= 5)
+        assert {(r["index"], r["check"]) for r in _records(out)} == {
+            (2, "xid"),
+            (0, "ecc"),
+            (1, "remapped_rows"),
+            (3, "lost"),
+            (0, "persistence"),
+        }
+
+
+async def test_a_delayed_fault_is_one_transition_later() -> None:
+    out = io.BytesIO()
+    s = settings(simulate="h100x8", fault="xid74:gpu5@0.3s,fabric-degraded:gpu0")
+    async with running_agent(Agent(s, exporters=[StdoutExporter(out)])) as agent:
+        await eventually(lambda: len(agent.health.snapshot().gpus) == 8)
+        assert agent.health.snapshot().gpus[5].state == "healthy"
+        await eventually(lambda: agent.health.snapshot().gpus[5].state == "unhealthy")
+        gpu5 = agent.health.snapshot().gpus[5]
+        assert "NVLink" in (gpu5.checks["xid"].reason or "") and gpu5.action == "reboot"
+        # an HGX H100 is not on a multi-node fabric: the fabric fault has nothing to degrade
+        assert agent.health.snapshot().gpus[0].checks["fabric"].state == "not_supported"
+        await eventually(lambda: _records(out))
+        assert [(r["index"], r["check"], r["state"]) for r in _records(out)] == [
+            (5, "xid", "unhealthy")
+        ]
+
+
+async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own() -> None:
+    seen: dict[str, set[str]] = {}
+    event_calls = {"event_set_create", "register_xid_events", "event_set_wait", "event_set_free"}
+
+    class Recording(SimulatedNvml):
+        def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+            value = super().__getattribute__(name)
+            if name.startswith("_") or name == "inject_xid" or not callable(value):
+                return value
+
+            def called(*args, **kwargs):  # type: ignore[no-untyped-def]
+                seen.setdefault(name, set()).add(threading.current_thread().name)
+                return value(*args, **kwargs)
+
+            return called
+
+    api = Recording("gb200x4", "node-a")
+    s = settings(simulate="gb200x4")
+    async with running_agent(
+        Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    ) as agent:
+        await eventually(lambda: "event_set_wait" in seen and "fabric_info" in seen)
+        api.inject_xid(1, 95)
+        await eventually(lambda: agent.health.snapshot().gpus[1].state == "unhealthy")
+    health_calls = {
+        "ecc_errors",
+        "retired_pages_pending",
+        "remapped_rows",
+        "clocks_event_reasons",
+        "fabric_info",
+        "persistence_mode",
+    }
+    assert health_calls <= set(seen)
+    for name in health_calls:
+        assert all(t.startswith("nvml_") for t in seen[name]), (name, seen[name])
+    for name in event_calls & set(seen):
+        assert seen[name] == {"nvml-xid"}, (name, seen[name])
+    on_xid_thread = {n for n, threads in seen.items() if "nvml-xid" in threads}
+    assert on_xid_thread <= event_calls | {"handle_by_index", "device_count", "device_key"}
+    assert all(t.startswith("nvml") for threads in seen.values() for t in threads), seen
+
+
+async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> None:
+    failures = ["nvml", "bug"]
+    created = []
+
+    class Flaky(SimulatedNvml):
+        def event_set_create(self) -> Any:
+            created.append(1)
+            return super().event_set_create()
+
+        def event_set_wait(self, event_set: Any, timeout_ms: int) -> Any:
+            if failures:
+                kind = failures.pop(0)
+                if kind == "nvml":
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+                raise RuntimeError("a bug in the wait path")
+            return super().event_set_wait(event_set, timeout_ms)
+
+    api = Flaky("h100x8", "node-a")
+    s = settings(simulate="h100x8")
+    async with running_agent(
+        Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    ) as agent:
+        agent.xid._retry_after = 0.01  # keep the pause after the NVML error short
+        await eventually(lambda: not failures and agent.xid.alive and len(created) >= 3)
+        api.inject_xid(4, 64)
+        await eventually(lambda: agent.health.snapshot().gpus[4].state == "unhealthy")
+        assert agent.health.snapshot().gpus[4].action == "hardware_inspection"
+
+
+async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
+    api = SimulatedNvml("h100x8", "node-a")
+    s = settings(simulate="h100x8", metrics_naming="dcgm")
+    async with running_agent(
+        Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
+    ) as agent:
+        await eventually(lambda: agent.xid.alive and agent.health.snapshot().gpus)
+        await eventually(lambda: b"gpuid_gpu_health_state" in agent.gpu_metrics().text)
+        api.inject_xid(3, 48)
+        await eventually(lambda: agent.health.snapshot().gpus[3].last_xid == 48)
+        families = {
+            f.name: f for f in text_string_to_metric_families(agent.gpu_metrics().text.decode())
+        }
+        last = {s.labels["gpu"]: s.value for s in families["DCGM_FI_DEV_XID_ERRORS"].samples}
+        assert last["3"] == 48 and last["0"] == 0
+        states = families["gpuid_gpu_health_state"].samples
+        assert all("UUID" in s.labels and "modelName" in s.labels for s in states)
