@@ -28,7 +28,7 @@ from gpuid_agent.sinks.exporters.base import Exporter
 from gpuid_agent.sinks.health_records import HealthPublisher, health_records
 from gpuid_agent.sinks.labels.service import NodeLabelling
 from gpuid_agent.sinks.node_conditions import NodeConditionWriter
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
+from gpuid_agent.sinks.pipeline import BatchPolicy, build_pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
 from gpuid_agent.sources.health_nvml import HealthReader
 from gpuid_agent.sources.health_signals import XidEvent
@@ -52,14 +52,28 @@ def make_nvml_api(settings: Settings) -> NvmlApi:
 
 
 def make_exporters(settings: Settings) -> list[Exporter]:
+    """The configured exporters; each module is imported only when chosen, so an unused
+    exporter's client library (asyncpg, aiobotocore) is never loaded."""
     exporters: list[Exporter] = []
     for name in settings.exporter_type:
         if name == "stdout":
             from gpuid_agent.sinks.exporters.stdout import StdoutExporter
 
             exporters.append(StdoutExporter())
-        else:  # pragma: no cover - guarded by config validation until the exporter lands
-            raise NotImplementedError(f"exporter {name} is not available in this build")
+        elif name == "http":
+            from gpuid_agent.sinks.exporters.http import HttpExporter
+
+            exporters.append(HttpExporter.from_settings(settings))
+        elif name == "postgres":
+            from gpuid_agent.sinks.exporters.postgres import PostgresExporter
+
+            exporters.append(PostgresExporter.from_settings(settings))
+        elif name == "s3":
+            from gpuid_agent.sinks.exporters.s3 import S3Exporter
+
+            exporters.append(S3Exporter.from_settings(settings))
+        else:  # pragma: no cover - config validation admits only the names above
+            raise ValueError(f"unknown exporter {name}")
     return exporters
 
 
@@ -84,10 +98,16 @@ class Agent:
             queue_size=settings.queue_size,
             retry_count=settings.retry_count,
             timeout=settings.timeout,
+            backoff_base=settings.retry_backoff,
+            backoff_max=settings.retry_backoff_max,
         )
         chosen = list(exporters) if exporters is not None else make_exporters(settings)
-        self.pipeline = Pipeline(
-            [ExporterWorker(e, policy, self.metrics) for e in chosen], self.metrics
+        self.pipeline = build_pipeline(
+            chosen,
+            policy,
+            self.metrics,
+            spool_dir=settings.spool_dir,
+            spool_max_bytes=settings.spool_max_bytes,
         )
         source = (
             f"{settings.pod_namespace}/{settings.pod_name}"
@@ -304,10 +324,13 @@ class Agent:
         if nvml is None or nvml.state not in ("ok", "degraded"):
             reason = nvml.reason if nvml and nvml.reason else "not read yet"
             problems.append(f"nvml: {reason}")
-        for name, health in (await self.pipeline.health()).items():
-            self.board.set(f"exporter:{name}", "ok" if health.ok else "degraded", health.reason)
-            if not health.ok:
-                problems.append(f"exporter {name}: {health.reason}")
+        # Fan-out policy (docs/exporters/README.md): a failing exporter whose records are held
+        # is degraded, not a readiness problem; unready only when every exporter is losing data.
+        healths = await self.pipeline.health()
+        for name, health in healths.items():
+            self.board.set(f"exporter:{name}", health.state, health.reason)
+        if not self.pipeline.ready(healths):
+            problems.extend(f"exporter {n}: {h.reason}" for n, h in healths.items())
         ok = not problems
         self.metrics.health_check_success.set(1 if ok else 0)
         return ok, problems
@@ -337,15 +360,7 @@ class Agent:
                 "chassis": inventory.chassis_serials,
                 "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
             },
-            "exporters": [
-                {
-                    "name": w.name,
-                    "pending": w.pending,
-                    "delivered_records": w.delivered_records,
-                    "last_error": w.last_error,
-                }
-                for w in self.pipeline.workers
-            ],
+            "exporters": [w.describe() for w in self.pipeline.workers],
             "config": self.settings.redacted(),
         }
 

@@ -70,6 +70,36 @@ class AgentMetrics:
             ["exporter"],
             registry=r,
         )
+        self.export_retries = Counter(
+            "gpuid_export_retries_total",
+            "Export attempts that repeated a failed one.",
+            ["exporter"],
+            registry=r,
+        )
+        self.set_aside_batches = Counter(
+            "gpuid_export_set_aside_batches_total",
+            "Batches a sink rejected (not retried; kept under the spool's rejected/ if any).",
+            ["exporter"],
+            registry=r,
+        )
+        self.spool_bytes = Gauge(
+            "gpuid_spool_bytes",
+            "Bytes of batch files in the durable spool.",
+            ["exporter"],
+            registry=r,
+        )
+        self.spool_batches = Gauge(
+            "gpuid_spool_batches",
+            "Undelivered batches in the durable spool.",
+            ["exporter"],
+            registry=r,
+        )
+        self.exporter_state = Gauge(
+            "gpuid_exporter_state",
+            "1 for the exporter's current state (ok, degraded, unavailable).",
+            ["exporter", "state"],
+            registry=r,
+        )
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
         )
