@@ -122,7 +122,7 @@ class Agent:
         )
         self.machine, self.machine_source = self._machine_identity()
         self.labelling = NodeLabelling(
-            settings, self.node, self.registry, self.board, self._use_machine
+            settings, self.node, self.metrics, self.board, self._use_machine
         )
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}

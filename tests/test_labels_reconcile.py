@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from gpuid_agent.sinks.labels import LabelMetrics, NodeLabeler, NodeSnapshot
+from gpuid_agent.metrics import AgentMetrics
+from gpuid_agent.sinks.labels import NodeLabeler, NodeSnapshot
 from gpuid_agent.sources.kube_client import KubeClient, create_kube_client, request_counter
 from gpuid_agent.status import StatusBoard
 from tests.conftest import eventually
@@ -40,9 +40,10 @@ class Harness:
     def __init__(self, kube: FakeKube, client: KubeClient) -> None:
         self.kube = kube
         self.client = client
-        self.registry = CollectorRegistry()
-        self.metrics = LabelMetrics(self.registry)
-        client.observe(request_counter(self.registry))
+        agent_metrics = AgentMetrics()
+        self.registry = agent_metrics.registry
+        self.metrics = agent_metrics.labels
+        client.observe(request_counter(agent_metrics.kube_api_requests))
         self.board = StatusBoard()
         self.seen: list[NodeSnapshot] = []
         self.tasks: list[asyncio.Task[None]] = []

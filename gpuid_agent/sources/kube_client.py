@@ -23,7 +23,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 
 from gpuid_agent import log
 from gpuid_agent.errors import GpuidError
@@ -97,14 +97,8 @@ async def _observed(sent: Awaitable[Any], observer: Observer, verb: str, resourc
         observer(verb, resource, code)
 
 
-def request_counter(registry: CollectorRegistry) -> Observer:
-    """An observer counting requests in `registry` (gpuid_kube_api_requests_total)."""
-    counter = Counter(
-        "gpuid_kube_api_requests_total",
-        "Kubernetes API requests by verb, resource and HTTP code (timeout/connection/error).",
-        ["verb", "resource", "code"],
-        registry=registry,
-    )
+def request_counter(counter: Counter) -> Observer:
+    """An observer counting requests in `counter` (AgentMetrics.kube_api_requests)."""
 
     def observe(verb: str, resource: str, code: str) -> None:
         counter.labels(verb, resource, code).inc()

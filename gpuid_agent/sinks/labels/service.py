@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from gpuid_agent import log
 from gpuid_agent.config import Settings
+from gpuid_agent.metrics import AgentMetrics
 from gpuid_agent.model import NodeInventory
-from gpuid_agent.sinks.labels.metrics import LabelMetrics
 from gpuid_agent.sinks.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
 from gpuid_agent.sources.kube_client import (
     KubeClient,
@@ -40,15 +38,15 @@ class NodeLabelling:
         self,
         settings: Settings,
         node: str,
-        registry: CollectorRegistry,
+        metrics: AgentMetrics,
         board: StatusBoard,
         on_machine: MachineSink,
     ) -> None:
         self.settings = settings
         self.node = node
         self.board = board
-        self.metrics = LabelMetrics(registry)
-        self._observer = request_counter(registry)
+        self.metrics = metrics.labels
+        self._observer = request_counter(metrics.kube_api_requests)
         self._on_machine = on_machine
         self.kube: KubeClient | None = None
         self.labeler: NodeLabeler | None = None
