@@ -1,6 +1,8 @@
-"""Project automation: `nox -s tests`, `nox -s lint`, `nox -s bench`, `nox -s proto`."""
+"""Project automation: `nox -s tests`, `lint`, `bench`, `docs`, `sbom`, `proto`."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import nox
 
@@ -30,6 +32,44 @@ def bench(session: nox.Session) -> None:
     """Benchmarks; prints a table. Not a test: figures vary with the machine."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Regenerate docs/configuration.md and docs/metrics.md from the code; `-- --check`
+    only verifies them."""
+    session.install("-e", ".")
+    session.run("python", "-m", "gpuid_agent.docs", *session.posargs)
+
+
+@nox.session
+def sbom(session: nox.Session) -> None:
+    """CycloneDX SBOM (sbom.cdx.json) of what the image ships: the project's wheel installed
+    alone into a clean venv, so test and lint tools stay out of it."""
+    session.install("cyclonedx-bom>=4")
+    tmp = Path(session.create_tmp())
+    wheels = tmp / "wheels"
+    runtime = tmp / "runtime"
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels), ".")
+    (wheel,) = sorted(wheels.glob("gpuid_agent-*.whl"))
+    session.run("python", "-m", "venv", "--clear", str(runtime))
+    pip = str(runtime / "bin" / "pip")
+    session.run(pip, "install", "--quiet", str(wheel), external=True)
+    # As in the image: nothing imports pip or setuptools at run time.
+    session.run(pip, "uninstall", "--quiet", "--yes", "pip", "setuptools", external=True)
+    output = session.posargs[0] if session.posargs else "sbom.cdx.json"
+    session.run(
+        "cyclonedx-py",
+        "environment",
+        "--pyproject",
+        "pyproject.toml",
+        "--output-format",
+        "JSON",
+        "--output-reproducible",
+        "--output-file",
+        output,
+        str(runtime / "bin" / "python"),
+    )
 
 
 PROTO = "gpuid_agent/sources/podresources/v1/api.proto"

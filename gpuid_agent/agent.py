@@ -32,8 +32,9 @@ from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.sinks.exporters.base import Exporter
 from gpuid_agent.sinks.health_records import HealthPublisher, health_records
+from gpuid_agent.sinks.labels.service import NodeLabelling
 from gpuid_agent.sinks.node_conditions import NodeConditionWriter
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Pipeline
+from gpuid_agent.sinks.pipeline import BatchPolicy, build_pipeline
 from gpuid_agent.sinks.records import ReadingEmitter
 from gpuid_agent.sources.health_nvml import HealthReader
 from gpuid_agent.sources.health_signals import GpuHealthSignals, XidEvent
@@ -63,14 +64,28 @@ def make_nvml_api(settings: Settings) -> NvmlApi:
 
 
 def make_exporters(settings: Settings) -> list[Exporter]:
+    """The configured exporters; each module is imported only when chosen, so an unused
+    exporter's client library (asyncpg, aiobotocore) is never loaded."""
     exporters: list[Exporter] = []
     for name in settings.exporter_type:
         if name == "stdout":
             from gpuid_agent.sinks.exporters.stdout import StdoutExporter
 
             exporters.append(StdoutExporter())
-        else:  # pragma: no cover - guarded by config validation until the exporter lands
-            raise NotImplementedError(f"exporter {name} is not available in this build")
+        elif name == "http":
+            from gpuid_agent.sinks.exporters.http import HttpExporter
+
+            exporters.append(HttpExporter.from_settings(settings))
+        elif name == "postgres":
+            from gpuid_agent.sinks.exporters.postgres import PostgresExporter
+
+            exporters.append(PostgresExporter.from_settings(settings))
+        elif name == "s3":
+            from gpuid_agent.sinks.exporters.s3 import S3Exporter
+
+            exporters.append(S3Exporter.from_settings(settings))
+        else:  # pragma: no cover - config validation admits only the names above
+            raise ValueError(f"unknown exporter {name}")
     return exporters
 
 
@@ -95,10 +110,16 @@ class Agent:
             queue_size=settings.queue_size,
             retry_count=settings.retry_count,
             timeout=settings.timeout,
+            backoff_base=settings.retry_backoff,
+            backoff_max=settings.retry_backoff_max,
         )
         chosen = list(exporters) if exporters is not None else make_exporters(settings)
-        self.pipeline = Pipeline(
-            [ExporterWorker(e, policy, self.metrics) for e in chosen], self.metrics
+        self.pipeline = build_pipeline(
+            chosen,
+            policy,
+            self.metrics,
+            spool_dir=settings.spool_dir,
+            spool_max_bytes=settings.spool_max_bytes,
         )
         source = (
             f"{settings.pod_namespace}/{settings.pod_name}"
@@ -112,6 +133,9 @@ class Agent:
             publish=self.pipeline.publish,
         )
         self.machine, self.machine_source = self._machine_identity()
+        self.labelling = NodeLabelling(
+            settings, self.node, self.metrics, self.board, self._use_machine
+        )
         self._init_attribution(source)
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
@@ -142,12 +166,12 @@ class Agent:
             stale_after=settings.pod_resources_stale_after,
             resources=ResourceMatcher(settings.gpu_resource_names),
             board=self.board,
-            registry=self.registry,
+            metrics=self.metrics.attribution,
         )
         self.attributor = Attributor(
             self.pod_resources,
             label_allowlist=settings.pod_label_allowlist,
-            registry=self.registry,
+            metrics=self.metrics.attribution,
         )
         # pod UIDs, owners and labels from the API (list+watch of this node's pods)
         self.pods: PodCache | None = None
@@ -157,7 +181,7 @@ class Agent:
                 board=self.board,
                 changed=self.attributor.changed,
                 label_allowlist=settings.pod_label_allowlist,
-                registry=self.registry,
+                metrics=self.metrics.attribution,
                 mode=settings.kube_api,
             )
             self.attributor.pods = self.pods
@@ -166,7 +190,7 @@ class Agent:
             pod_labels=gpu_metrics.pod_label_columns(settings.pod_label_allowlist),
         )
         self.trail = AllocationTrail(
-            TrailIdentity(settings.cluster_name, self.node, self.machine, source),
+            TrailIdentity(settings.cluster_name, self.node, source),
             publish=self.pipeline.publish,
             state_dir=settings.state_dir,
         )
@@ -250,6 +274,13 @@ class Agent:
         found = local_machine_id(self.settings.dmi_product_uuid_path, self.settings.machine_id_path)
         return found if found else (self.node, "node_name")
 
+    def _use_machine(self, machine: str, source: str) -> None:
+        """A better machine id (the Node's providerID); the next snapshot carries it, so a
+        change is an inventory change with new records."""
+        if (machine, source) != (self.machine, self.machine_source):
+            _log.info("machine identity", extra={"machine": machine, "machine_source": source})
+            self.machine, self.machine_source = machine, source
+
     # ---- collection ------------------------------------------------------------------------
 
     async def collect_once(self) -> bool:
@@ -294,6 +325,7 @@ class Agent:
         else:
             self.board.set("nvml", "ok")
         self.emitter.offer(inventory)
+        self.labelling.offer(inventory)
         return True
 
     def _nvml_down(self, reason: str, stage: str) -> None:
@@ -428,10 +460,13 @@ class Agent:
         if nvml is None or nvml.state not in ("ok", "degraded"):
             reason = nvml.reason if nvml and nvml.reason else "not read yet"
             problems.append(f"nvml: {reason}")
-        for name, health in (await self.pipeline.health()).items():
-            self.board.set(f"exporter:{name}", "ok" if health.ok else "degraded", health.reason)
-            if not health.ok:
-                problems.append(f"exporter {name}: {health.reason}")
+        # Fan-out policy (docs/exporters/README.md): a failing exporter whose records are held
+        # is degraded, not a readiness problem; unready only when every exporter is losing data.
+        healths = await self.pipeline.health()
+        for name, health in healths.items():
+            self.board.set(f"exporter:{name}", health.state, health.reason)
+        if not self.pipeline.ready(healths):
+            problems.extend(f"exporter {n}: {h.reason}" for n, h in healths.items())
         ok = not problems
         self.metrics.health_check_success.set(1 if ok else 0)
         return ok, problems
@@ -448,6 +483,7 @@ class Agent:
             "ready": ready,
             "problems": problems,
             "components": self.board.as_dict(),
+            "labels": self.labelling.status(),
             "health": self.health.snapshot().as_dict(),
             "inventory": None
             if inventory is None
@@ -465,15 +501,7 @@ class Agent:
                 "pods": None if self.pods is None else self.pods.status(),
                 "trail": self.trail.status(),
             },
-            "exporters": [
-                {
-                    "name": w.name,
-                    "pending": w.pending,
-                    "delivered_records": w.delivered_records,
-                    "last_error": w.last_error,
-                }
-                for w in self.pipeline.workers
-            ],
+            "exporters": [w.describe() for w in self.pipeline.workers],
             "config": self.settings.redacted(),
         }
 
@@ -499,6 +527,7 @@ class Agent:
         for worker in self.pipeline.workers:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
         self.supervisor.spawn("emitter", self.emitter.run())
+        await self.labelling.start(self.supervisor.spawn)
         self.supervisor.spawn("allocations", self.trail.run())
         if self.pods is not None and await self.pods.open():
             self.supervisor.spawn("pods", self.pods.run())
@@ -546,6 +575,7 @@ class Agent:
         if self.conditions is not None:
             await self.conditions.close()
         await self.nvml.close()
+        await self.labelling.close()
         await self.pod_resources.client.close()
         if self.pods is not None:
             await self.pods.close()

@@ -138,6 +138,10 @@ class Settings(BaseSettings):
     queue_size: int = Field(10_000, ge=1, description="Records buffered per exporter in memory.")
     retry_count: int = Field(2, ge=0, le=100, description="Retries per batch attempt cycle.")
     timeout: PositiveDuration = Field(30.0, description="Timeout of one export attempt.")
+    retry_backoff: PositiveDuration = Field(
+        0.5, description="First retry pause of an export (doubles, with jitter)."
+    )
+    retry_backoff_max: PositiveDuration = Field(30.0, description="Longest retry pause.")
     shutdown_grace: Duration = Field(
         20.0, description="Time allowed to flush pending batches on SIGTERM."
     )
@@ -161,6 +165,13 @@ class Settings(BaseSettings):
     ] = Field("require", description="PostgreSQL SSL mode.")
     postgres_table: str = Field("gpu_readings", description="Readings table name.")
     postgres_auto_migrate: bool = Field(True, description="Create tables at start.")
+    postgres_allocations_table: str = Field(
+        "gpu_allocations", description="Allocations table (in POSTGRES_TABLE's schema if bare)."
+    )
+    postgres_events_table: str = Field(
+        "gpu_events",
+        description="Table of other record kinds (in POSTGRES_TABLE's schema if bare).",
+    )
 
     # s3 exporter
     s3_bucket: str = Field("", description="S3 bucket.")
@@ -209,6 +220,9 @@ class Settings(BaseSettings):
         "gpuid.github.com", description="Prefix of the node labels."
     )
     label_resync_interval: PositiveDuration = Field(600.0, description="Label resync period.")
+    label_startup_jitter: Duration = Field(
+        30.0, description="Random delay (0 to this) before the first label patch."
+    )
     label_annotation: bool = Field(True, description="Also write a JSON detail annotation.")
     dmi_product_uuid_path: str = Field(
         "/sys/class/dmi/id/product_uuid", description="DMI product UUID file."
@@ -284,10 +298,15 @@ def _cross_checks(settings: Settings) -> dict[str, str]:
             problems[env_name(field)] = why
     if settings.fault and not settings.simulate:
         problems["FAULT"] = "faults are injected into a simulated node only: set SIMULATE too"
-    if settings.postgres_table and not re.fullmatch(
-        r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", settings.postgres_table
+    for field in ("postgres_table", "postgres_allocations_table", "postgres_events_table"):
+        if not re.fullmatch(
+            r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", getattr(settings, field)
+        ):
+            problems[env_name(field)] = "must be an SQL identifier, optionally schema-qualified"
+    if settings.http_endpoint and not re.fullmatch(
+        r"https?://[^/\s]+(/\S*)?", settings.http_endpoint
     ):
-        problems["POSTGRES_TABLE"] = "must be an SQL identifier, optionally schema-qualified"
+        problems["HTTP_ENDPOINT"] = "must be an http:// or https:// URL"
     return problems
 
 

@@ -24,10 +24,18 @@ class ExportError(GpuidError):
     """An exporter failed to deliver a batch.
 
     `retryable` says whether the same batch may succeed later (a sink outage) or never will
-    (the sink rejected its content).
+    (the sink rejected its content); `retry_after` is the pause the sink asked for, if any.
     """
 
-    def __init__(self, message: str, *, error_type: str, retryable: bool = True) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str,
+        retryable: bool = True,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.error_type = error_type
         self.retryable = retryable
+        self.retry_after = retry_after

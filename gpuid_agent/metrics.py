@@ -70,6 +70,139 @@ class AgentMetrics:
             ["exporter"],
             registry=r,
         )
+        self.export_retries = Counter(
+            "gpuid_export_retries_total",
+            "Export attempts that repeated a failed one.",
+            ["exporter"],
+            registry=r,
+        )
+        self.set_aside_batches = Counter(
+            "gpuid_export_set_aside_batches_total",
+            "Batches a sink rejected (not retried; kept under the spool's rejected/ if any).",
+            ["exporter"],
+            registry=r,
+        )
+        self.spool_bytes = Gauge(
+            "gpuid_spool_bytes",
+            "Bytes of batch files in the durable spool.",
+            ["exporter"],
+            registry=r,
+        )
+        self.spool_batches = Gauge(
+            "gpuid_spool_batches",
+            "Undelivered batches in the durable spool.",
+            ["exporter"],
+            registry=r,
+        )
+        self.exporter_state = Gauge(
+            "gpuid_exporter_state",
+            "1 for the exporter's current state (ok, degraded, unavailable).",
+            ["exporter", "state"],
+            registry=r,
+        )
+        self.labels = LabelMetrics(r)
+        self.attribution = AttributionMetrics(r)
+        self.kube_api_requests = Counter(
+            "gpuid_kube_api_requests_total",
+            "Kubernetes API requests by verb, resource and HTTP code (timeout/connection/error).",
+            ["verb", "resource", "code"],
+            registry=r,
+        )
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
+        )
+
+
+class LabelMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.attempts = Counter(
+            "gpuid_label_reconcile_attempts_total",
+            "Node label reconciliations started (a read of the Node, maybe a patch).",
+            registry=r,
+        )
+        self.patches = Counter(
+            "gpuid_label_patches_total",
+            "Node label patches by result (applied, dry_run).",
+            ["result"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "gpuid_label_reconcile_errors_total",
+            "Failed Node API calls of the labeller by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "gpuid_label_last_success_timestamp_seconds",
+            "Unix time the Node's labels were last confirmed or made correct.",
+            registry=r,
+        )
+        self.in_sync = Gauge(
+            "gpuid_labels_in_sync",
+            "1 when the Node's labels matched the inventory at the last reconciliation.",
+            registry=r,
+        )
+        self.desired = Gauge(
+            "gpuid_labels_desired", "Labels the agent wants on its Node.", registry=r
+        )
+        self.rewritten = Gauge(
+            "gpuid_label_rewritten_serials",
+            "Serials that are not valid label values and were rewritten (see the annotation).",
+            registry=r,
+        )
+
+
+class AttributionMetrics:
+    """Pod attribution: the kubelet poller, the API pod cache, unattributed device ids."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = self.registry = registry
+        self.pod_resources_up = Gauge(
+            "gpuid_pod_resources_up", "1 when the last kubelet List worked.", registry=r
+        )
+        self.pod_resources_stale = Gauge(
+            "gpuid_pod_resources_stale",
+            "1 when the last good kubelet mapping is too old to be served.",
+            registry=r,
+        )
+        self.pod_resources_polls = Counter(
+            "gpuid_pod_resources_polls_total",
+            "kubelet List calls by outcome (ok, socket_missing, unavailable, …).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pod_resources_last_success = Gauge(
+            "gpuid_pod_resources_last_success_timestamp_seconds",
+            "Unix time of the last good kubelet List.",
+            registry=r,
+        )
+        self.unmapped_now = Gauge(
+            "gpuid_attribution_unmapped_devices",
+            "kubelet GPU device ids not attributed now, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.unmapped_total = Counter(
+            "gpuid_attribution_unmapped_total",
+            "kubelet GPU device ids found unattributable (each counted once when it appears).",
+            ["reason"],
+            registry=r,
+        )
+        self.holders = Gauge(
+            "gpuid_attribution_holders",
+            "Containers holding a GPU or MIG device of this node.",
+            registry=r,
+        )
+        self.pod_cache_pods = Gauge(
+            "gpuid_pod_cache_pods", "Pods of this node in the API pod cache.", registry=r
+        )
+        self.pod_cache_relists = Counter(
+            "gpuid_pod_cache_relists_total", "Full LISTs of this node's pods.", registry=r
+        )
+        self.owner_lookups = Counter(
+            "gpuid_owner_lookups_total",
+            "Workload owner lookups by outcome (cached, api, forbidden, not_found, error).",
+            ["outcome"],
+            registry=r,
         )

@@ -14,6 +14,9 @@ import pytest
 from gpuid_agent.agent import Agent
 from gpuid_agent.config import Settings, load_settings
 
+# The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
+pytest_plugins = ["tests.servers.fixtures"]
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,6 +71,7 @@ async def test_start_and_end_records(fake_nvml: FakeNvml, kubelet: FakeKubelet) 
     )
     assert train["device_id"] == config.gpus[0].uuid and train["ended_at"] is None
     assert train["cluster"] == "test" and train["node"] == "node-a"
+    assert (train["machine"], train["machine_source"]) == ("node-a", "node_name")
     assert train["start_observed"] is False  # already there when the agent started
     for r in range(3):
         assert starts[f"serve-{r}"]["uuid"] == shared  # every sharing pod, not the last one
@@ -200,7 +201,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
     snapshot = PodResourcesSnapshot(
         (DeviceAssignment("ns", "db-0", "pg", "nvidia.com/mig-3g.40gb", gpu.mig_devices[0].uuid),)
     )
-    trail = AllocationTrail(TrailIdentity("c", "n", "m", "src"), publish=_never)
+    trail = AllocationTrail(TrailIdentity("c", "n", "src"), publish=_never)
     uid = {"value": "uid-1"}
 
     def lookup(namespace: str, name: str) -> PodMeta:

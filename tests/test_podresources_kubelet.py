@@ -11,6 +11,7 @@ import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gpuid_agent.metrics import AttributionMetrics
 from gpuid_agent.sources.podresources import (
     PodResourcesClient,
     PodResourcesSource,
@@ -34,7 +35,7 @@ def source(
         stale_after=stale_after,
         resources=ResourceMatcher(["example.com/accel"]),
         board=StatusBoard(),
-        registry=CollectorRegistry(),
+        metrics=AttributionMetrics(CollectorRegistry()),
         backoff_max=0.1,
     )
 

@@ -1,16 +1,12 @@
 """Which containers hold which GPUs: kubelet device ids mapped onto the NVML inventory."""
 
 from gpuid_agent.attribution.mapping import (
-    UNAVAILABLE,
-    Allocation,
-    Attribution,
     DeviceIndex,
-    Holder,
-    Unmapped,
     attribute,
     count_allocatable_gpus,
     make_holder,
 )
+from gpuid_agent.attribution.model import UNAVAILABLE, Allocation, Attribution, Holder, Unmapped
 
 __all__ = [
     "UNAVAILABLE",

@@ -8,10 +8,12 @@ from collections import Counter as Tally
 from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gpuid_agent import log
-from gpuid_agent.attribution.mapping import UNAVAILABLE, Attribution, Unmapped, attribute
+from gpuid_agent.attribution.mapping import attribute
+from gpuid_agent.attribution.model import UNAVAILABLE, Attribution, Unmapped
+from gpuid_agent.metrics import AttributionMetrics
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.sources.podresources import PodResourcesSource
 from gpuid_agent.sources.pods import PodDirectory
@@ -27,7 +29,7 @@ class Attributor:
         *,
         pods: PodDirectory | None = None,
         label_allowlist: Sequence[str] = (),
-        registry: CollectorRegistry | None = None,
+        metrics: AttributionMetrics | None = None,
     ) -> None:
         self.source = source
         self.pods = pods
@@ -38,24 +40,7 @@ class Attributor:
         # One event for every input: the kubelet poller sets it, and so does the pod cache
         # (built with `changed=attributor.changed`).
         self.changed = source.changed
-        r = registry or CollectorRegistry(auto_describe=True)
-        self._unmapped_now = Gauge(
-            "gpuid_attribution_unmapped_devices",
-            "kubelet GPU device ids not attributed now, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self._unmapped_total = Counter(
-            "gpuid_attribution_unmapped",
-            "kubelet GPU device ids found unattributable (each counted once when it appears).",
-            ["reason"],
-            registry=r,
-        )
-        self._holders = Gauge(
-            "gpuid_attribution_holders",
-            "Containers holding a GPU or MIG device of this node.",
-            registry=r,
-        )
+        self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
 
     @property
     def pods_ready(self) -> bool:
@@ -76,17 +61,17 @@ class Attributor:
         if attribution.state != "current":
             return  # keep the last counts: nothing was checked
         unmapped = frozenset(attribution.unmapped)
-        self._holders.set(len({a.holder for a in attribution.allocations}))
+        self._metrics.holders.set(len({a.holder for a in attribution.allocations}))
         if unmapped == self._unmapped:
             return
         new = unmapped - self._unmapped
         self._unmapped = unmapped
         for reason, count in Tally(u.reason for u in new).items():
-            self._unmapped_total.labels(reason).inc(count)
+            self._metrics.unmapped_total.labels(reason).inc(count)
         now = Tally(u.reason for u in unmapped)
         self._reasons.update(now)
         for reason in self._reasons:
-            self._unmapped_now.labels(reason).set(now.get(reason, 0))
+            self._metrics.unmapped_now.labels(reason).set(now.get(reason, 0))
         if new:
             examples = sorted(new, key=lambda u: (u.namespace, u.pod, u.device_id))[:_EXAMPLES]
             _log.warning(

@@ -77,7 +77,6 @@ class TrailIdentity:
 
     cluster: str
     node: str
-    machine: str
     source: str
 
 
@@ -202,7 +201,8 @@ class AllocationTrail:
             "event": "start",
             "cluster": self.identity.cluster,
             "node": self.identity.node,
-            "machine": self.identity.machine,
+            "machine": inventory.machine,  # the providerID may arrive after start
+            "machine_source": inventory.machine_source,
             "source": self.identity.source,
             "chassis": (gpu.chassis_serial if gpu else None) or "",
             "gpu": (gpu.serial if gpu else None) or "",

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
-from gpuid_agent.attribution import Attribution, Holder
+from gpuid_agent.attribution.model import Attribution, Holder
 from gpuid_agent.health.model import NodeHealth
 from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from gpuid_agent.sources.provider_id import machine_from_provider_id
+
 _UUIDISH = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._:-]{0,127}$")
 
 
@@ -31,3 +33,15 @@ def local_machine_id(dmi_product_uuid_path: str, machine_id_path: str) -> tuple[
     if machine:
         return machine, "machine_id"
     return None
+
+
+def resolve_machine(
+    provider_id: str | None, dmi_product_uuid_path: str, machine_id_path: str
+) -> tuple[str, str] | None:
+    """(machine id, source): the Node's providerID first (source `provider_id:<provider>`),
+    then the DMI product UUID, then /etc/machine-id; None when none is usable."""
+    from_provider = machine_from_provider_id(provider_id)
+    if from_provider is not None:
+        machine, provider = from_provider
+        return machine, f"provider_id:{provider}"
+    return local_machine_id(dmi_product_uuid_path, machine_id_path)

@@ -24,10 +24,11 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 from kubernetes_asyncio import client as k8s
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gpuid_agent import log
 from gpuid_agent.errors import GpuidError
+from gpuid_agent.metrics import AttributionMetrics
 from gpuid_agent.sources.kube_client import KubeClient, KubeConfigError, create_kube_client
 from gpuid_agent.status import StatusBoard
 
@@ -106,7 +107,7 @@ def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
 class OwnerResolver:
     """Walks ownerReferences up to the workload, with lookups cached by owner UID."""
 
-    def __init__(self, api: Any, *, timeout: float, metrics: _Metrics) -> None:
+    def __init__(self, api: Any, *, timeout: float, metrics: AttributionMetrics) -> None:
         self._apps = k8s.AppsV1Api(api)
         self._batch = k8s.BatchV1Api(api)
         self._timeout = timeout
@@ -166,20 +167,6 @@ def _inferred(kind: str, name: str, labels: Mapping[str, Any]) -> Workload:
     return Workload(kind, name)
 
 
-class _Metrics:
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.pods = Gauge("gpuid_pod_cache_pods", "Pods of this node in the cache.", registry=r)
-        self.relists = Counter(
-            "gpuid_pod_cache_relists", "Full LISTs of this node's pods.", registry=r
-        )
-        self.owner_lookups = Counter(
-            "gpuid_owner_lookups",
-            "Workload owner lookups by outcome (cached, api, forbidden, not_found, error).",
-            ["outcome"],
-            registry=r,
-        )
-
-
 class PodCache:
     """PodDirectory over the Kubernetes API."""
 
@@ -190,7 +177,7 @@ class PodCache:
         board: StatusBoard | None = None,
         changed: asyncio.Event | None = None,
         label_allowlist: Sequence[str] = (),
-        registry: CollectorRegistry | None = None,
+        metrics: AttributionMetrics | None = None,
         mode: str = "auto",
         timeout: float = 30.0,
         watch_timeout: float = 300.0,
@@ -201,8 +188,8 @@ class PodCache:
         self.board = board or StatusBoard()
         self.changed = changed or asyncio.Event()
         self.label_allowlist = tuple(label_allowlist)
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._metrics = _Metrics(self.registry)
+        self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
+        self.registry = self._metrics.registry
         self._mode = mode
         self._timeout = timeout
         self._watch_timeout = watch_timeout
@@ -312,7 +299,7 @@ class PodCache:
             field_selector=self._selector(),
             request_timeout=self._timeout,
         )
-        self._metrics.relists.inc()
+        self._metrics.pod_cache_relists.inc()
         pods: dict[tuple[str, str], PodMeta] = {}
         for raw in listed.get("items") or []:
             meta = await self._meta(raw, owners)
@@ -322,7 +309,7 @@ class PodCache:
             self._tombstone(key)
         self._pods = pods
         self.resource_version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
-        self._metrics.pods.set(len(pods))
+        self._metrics.pod_cache_pods.set(len(pods))
         self._ready = True
         self.last_error = None
         self.board.set(COMPONENT, "ok")
@@ -370,7 +357,7 @@ class PodCache:
         if rv:
             self.resource_version = str(rv)
         self.board.set(COMPONENT, "ok")
-        self._metrics.pods.set(len(self._pods))
+        self._metrics.pod_cache_pods.set(len(self._pods))
 
     def _tombstone(self, key: tuple[str, str]) -> None:
         now = time.monotonic()

@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,7 @@ class RequestRecord:
     body: Any = None
     status: int = 0  # 0: no answer (hung, dropped, or not answered yet)
     authorization: bool = False
+    at: float = 0.0  # time.monotonic() when it arrived
 
 
 @dataclass(slots=True)
@@ -425,6 +427,7 @@ class FakeKube:
             verb=verb,
             content_type=request.headers.get("Content-Type", ""),
             authorization="Authorization" in request.headers,
+            at=time.monotonic(),
         )
         self.requests.append(record)
         try:

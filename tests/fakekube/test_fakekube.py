@@ -18,7 +18,14 @@ from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.sources.kube_client import KubeClient, create_kube_client
-from tests.fakekube import FakeKube, ThreadedFakeKube, free_port, objects, write_kubeconfig
+from tests.fakekube import (
+    FakeKube,
+    ThreadedFakeKube,
+    free_port,
+    kubeconfig_dict,
+    objects,
+    write_kubeconfig,
+)
 from tests.fakekube.patch import json_patch, merge_patch, strategic_merge_patch
 
 
@@ -287,10 +294,11 @@ async def test_watch_resume_from_resource_version(kube: FakeKube, api: client.Ap
         "default",
         watch=True,
         resource_version=first["metadata"]["resourceVersion"],
-        timeout_seconds=1,
         _preload_content=False,
     )
-    lines = [json.loads(line) async for line in resp.content]
+    lines = [json.loads(await resp.content.readline()) for _ in range(2)]
+    kube.close_watches()
+    assert await resp.content.readline() == b""  # nothing else was replayed
     resp.release()
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in lines] == [
         ("MODIFIED", "a"),
@@ -342,12 +350,13 @@ async def test_forced_410_and_expire_open_watches(kube: FakeKube, api: client.Ap
 async def test_bookmarks_only_when_allowed(kube: FakeKube, api: client.ApiClient) -> None:
     core = client.CoreV1Api(api)
     resp = await core.list_node(watch=True, allow_watch_bookmarks=True, _preload_content=False)
-    plain = await core.list_node(watch=True, timeout_seconds=1, _preload_content=False)
+    plain = await core.list_node(watch=True, _preload_content=False)
     kube.bookmark()  # both watches are open: the client returned after the headers
     event = json.loads(await resp.content.readline())
     assert event["type"] == "BOOKMARK"
     assert event["object"]["metadata"]["resourceVersion"] == str(kube.store.rv)
-    assert await plain.content.readline() == b""  # timed out with nothing sent
+    kube.close_watches()
+    assert await plain.content.readline() == b""  # closed with nothing sent
     resp.release()
     plain.release()
 
@@ -422,8 +431,16 @@ async def test_kube_client_rejects_broken_kubeconfig(tmp_path: Path) -> None:
 
     bad = tmp_path / "kc"
     bad.write_text("clusters: [not: a: valid")
-    with pytest.raises(KubeConfigError, match="unusable"):
+    with pytest.raises(KubeConfigError, match="unusable: not valid YAML"):
         await create_kube_client(environ={"KUBECONFIG": str(bad)})
+    # an entry missing a key: the library's message would quote the entry, token and all
+    config = kubeconfig_dict("http://127.0.0.1:1", token="s3cret-token-value")
+    config["users"] = [{"name": "fake", "token": "s3cret-token-value"}]
+    bad.write_text(json.dumps(config))
+    with pytest.raises(KubeConfigError) as refused:
+        await create_kube_client(environ={"KUBECONFIG": str(bad)})
+    assert "s3cret" not in str(refused.value)
+    assert "Expected key user" in str(refused.value)
 
 
 # ---- patch semantics -------------------------------------------------------------------------
@@ -478,3 +495,39 @@ def test_strategic_merge_directives() -> None:
     assert out["metadata"]["finalizers"] == ["a", "b"]
     assert [o["uid"] for o in out["metadata"]["ownerReferences"]] == ["2", "3"]
     assert out["spec"] == {"taints": [{"key": "k", "effect": "NoSchedule"}], "other": {"c": 3}}
+
+
+async def test_create_replace_delete_through_the_client(
+    kube: FakeKube, api: client.ApiClient
+) -> None:
+    core = client.CoreV1Api(api)
+    made = await core.create_namespaced_pod("ml", objects.pod("p", namespace="ml"))
+    assert made.metadata.namespace == "ml"
+    with pytest.raises(ApiException) as exists:
+        await core.create_namespaced_pod("ml", objects.pod("p", namespace="ml"))
+    assert _status(exists.value)["reason"] == "AlreadyExists"
+    body = kube.get("Pod", "p", "ml")
+    assert body is not None
+    body["metadata"]["labels"] = {"v": "2"}
+    await core.replace_namespaced_pod("p", "ml", body)
+    with pytest.raises(ApiException) as stale:
+        await core.replace_namespaced_pod("p", "ml", body)  # same resourceVersion again
+    assert stale.value.status == 409
+    await core.delete_namespaced_pod("p", "ml")
+    assert kube.get("Pod", "p", "ml") is None
+    assert [kube.count(v) for v in ("create", "update", "delete")] == [2, 2, 1]
+
+
+async def test_watch_selector_transitions(kube: FakeKube, api: client.ApiClient) -> None:
+    kube.create(objects.pod("a", labels={"gpu": "yes"}))
+    core = client.CoreV1Api(api)
+    resp = await core.list_namespaced_pod(
+        "default", watch=True, label_selector="gpu=yes", _preload_content=False
+    )
+    first = json.loads(await resp.content.readline())
+    kube.patch("Pod", "a", {"metadata": {"labels": {"gpu": "no"}}}, namespace="default")
+    left = json.loads(await resp.content.readline())
+    kube.patch("Pod", "a", {"metadata": {"labels": {"gpu": "yes"}}}, namespace="default")
+    back = json.loads(await resp.content.readline())
+    resp.release()
+    assert [first["type"], left["type"], back["type"]] == ["ADDED", "DELETED", "ADDED"]

@@ -10,7 +10,7 @@ from typing import BinaryIO
 import orjson
 
 from gpuid_agent.errors import ExportError
-from gpuid_agent.sinks.exporters.base import Exporter, Record
+from gpuid_agent.sinks.exporters.base import BatchMeta, Exporter, Record
 
 
 class StdoutExporter(Exporter):
@@ -23,7 +23,7 @@ class StdoutExporter(Exporter):
         self._stream.write(payload)
         self._stream.flush()
 
-    async def export(self, batch: Sequence[Record]) -> None:
+    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         payload = b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch)
         try:
             # A write to a pipe blocks when its reader is slow: keep it off the event loop.

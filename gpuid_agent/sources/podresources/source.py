@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gpuid_agent import log
+from gpuid_agent.metrics import AttributionMetrics
 from gpuid_agent.sources.podresources.client import PodResourcesClient, PodResourcesError
 from gpuid_agent.sources.podresources.devices import ResourceMatcher
 from gpuid_agent.status import StatusBoard
@@ -81,29 +82,6 @@ def _assignment_key(a: DeviceAssignment) -> tuple[str, ...]:
     return (a.namespace, a.pod, a.container, a.resource_name, a.device_id)
 
 
-class _Metrics:
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.up = Gauge(
-            "gpuid_pod_resources_up", "1 when the last kubelet List worked.", registry=r
-        )
-        self.stale = Gauge(
-            "gpuid_pod_resources_stale",
-            "1 when the last good mapping is too old to be served.",
-            registry=r,
-        )
-        self.polls = Counter(
-            "gpuid_pod_resources_polls_total",
-            "kubelet List calls by outcome.",
-            ["outcome"],
-            registry=r,
-        )
-        self.last_success = Gauge(
-            "gpuid_pod_resources_last_success_timestamp_seconds",
-            "Unix time of the last good kubelet List.",
-            registry=r,
-        )
-
-
 class PodResourcesSource:
     """Owns the poll loop and the last good snapshot; `changed` is set when `current()` moves."""
 
@@ -115,7 +93,7 @@ class PodResourcesSource:
         stale_after: float,
         resources: ResourceMatcher | None = None,
         board: StatusBoard | None = None,
-        registry: CollectorRegistry | None = None,
+        metrics: AttributionMetrics | None = None,
         backoff_max: float = 10.0,
         allocatable_every: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -128,8 +106,8 @@ class PodResourcesSource:
         self.backoff_max = max(backoff_max, interval)
         self.allocatable_every = allocatable_every
         self._clock = clock
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._metrics = _Metrics(self.registry)
+        self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
+        self.registry = self._metrics.registry
         self.snapshot: PodResourcesSnapshot | None = None
         self.last_success: float | None = None
         self.last_success_at: datetime | None = None
@@ -186,9 +164,9 @@ class PodResourcesSource:
         self.failure = None
         self.last_success = self._clock()
         self.last_success_at = datetime.now(UTC)
-        self._metrics.polls.labels("ok").inc()
-        self._metrics.up.set(1)
-        self._metrics.last_success.set(time.time())
+        self._metrics.pod_resources_polls.labels("ok").inc()
+        self._metrics.pod_resources_up.set(1)
+        self._metrics.pod_resources_last_success.set(time.time())
         self._set_stale(False)
         self.board.set(COMPONENT, "ok")
         if recovered:
@@ -221,8 +199,8 @@ class PodResourcesSource:
     def _failed(self, exc: PodResourcesError) -> None:
         self.failure = exc
         self._allocatable_at = None
-        self._metrics.polls.labels(exc.reason).inc()
-        self._metrics.up.set(0)
+        self._metrics.pod_resources_polls.labels(exc.reason).inc()
+        self._metrics.pod_resources_up.set(0)
         self._refresh_state()
         self.polled.set()
 
@@ -244,7 +222,7 @@ class PodResourcesSource:
     def _set_stale(self, stale: bool) -> None:
         if stale != self._stale:
             self._stale = stale
-            self._metrics.stale.set(1 if stale else 0)
+            self._metrics.pod_resources_stale.set(1 if stale else 0)
             self.changed.set()
 
     def _next_delay(self, failures: int) -> float:

@@ -1,0 +1,68 @@
+"""What attribution produces: holders of GPUs and MIG devices, as frozen snapshots.
+
+Kept apart from the mapping (which reads the kubelet's and the API's types) so renderers and
+reference pages can use these without importing any source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+AttributionState = Literal["current", "pending", "unavailable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A container holding a GPU or MIG device, with what the API added (empty without it)."""
+
+    namespace: str
+    pod: str
+    container: str
+    pod_uid: str = ""
+    workload_kind: str = ""
+    workload_name: str = ""
+    labels: tuple[tuple[str, str], ...] = ()  # allowed pod labels, in allow-list order
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One device id of one container, mapped to a GPU (and MIG device) of this node."""
+
+    holder: Holder
+    resource_name: str
+    device_id: str
+    gpu_uuid: str
+    mig_uuid: str | None = None
+    replica: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unmapped:
+    """A device id that could not be attributed, and why (a short, stable reason)."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource_name: str
+    device_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    state: AttributionState
+    allocations: tuple[Allocation, ...] = ()
+    unmapped: tuple[Unmapped, ...] = ()
+    # GPU or MIG UUID → its distinct holders (one per container, even with several replicas)
+    by_device: Mapping[str, tuple[Holder, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def holders(self, device_uuid: str) -> tuple[Holder, ...]:
+        return self.by_device.get(device_uuid, ())
+
+
+UNAVAILABLE = Attribution("unavailable")

@@ -1,0 +1,253 @@
+"""Table names, the schema migration and the statements that move staged rows into tables.
+
+Identifiers are validated, never quoted: PostgreSQL folds unquoted names to lower case, as
+gpuid's own CREATE TABLE did, so POSTGRES_TABLE names the same table for both.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
+# pg_advisory_lock key that serialises migrations of every agent ("gpuid" in ASCII).
+MIGRATION_LOCK = 0x6770756964
+
+STAGE_READINGS = "gpuid_stage_readings"
+STAGE_ALLOCATIONS = "gpuid_stage_allocations"
+STAGE_EVENTS = "gpuid_stage_events"
+
+
+def _checked(name: str) -> str:
+    if not IDENTIFIER.fullmatch(name):
+        raise ValueError(f"{name!r} is not an SQL identifier (optionally schema-qualified)")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    readings: str
+    allocations: str
+    events: str
+
+    @classmethod
+    def named(cls, readings: str, allocations: str, events: str) -> Tables:
+        """Bare allocation/event names go into the readings table's schema."""
+        _checked(readings)
+        schema = readings.split(".", maxsplit=1)[0] + "." if "." in readings else ""
+        return cls(
+            readings,
+            _checked(allocations if "." in allocations else schema + allocations),
+            _checked(events if "." in events else schema + events),
+        )
+
+    @property
+    def schema(self) -> str | None:
+        return self.readings.split(".")[0] if "." in self.readings else None
+
+
+def _bare(table: str) -> str:
+    return table.rsplit(".", maxsplit=1)[-1]
+
+
+def _index(table: str, suffix: str) -> str:
+    return f"idx_{_bare(table)}_{suffix}"[:63]
+
+
+def migration(tables: Tables) -> list[str]:
+    """Idempotent DDL; run in one transaction while holding MIGRATION_LOCK."""
+    r, a, e = tables.readings, tables.allocations, tables.events
+    statements: list[str] = []
+    schemas = {t.split(".")[0] for t in (r, a, e) if "." in t}
+    statements += [f"CREATE SCHEMA IF NOT EXISTS {s}" for s in sorted(schemas)]
+    # gpuid's table as gpuid creates it, minus its UNIQUE over every column: a GB200
+    # superchip's two dies share a serial, so that constraint would drop one of them.
+    statements.append(
+        f"""CREATE TABLE IF NOT EXISTS {r} (
+            id BIGSERIAL PRIMARY KEY,
+            cluster VARCHAR(255) NOT NULL,
+            node VARCHAR(255) NOT NULL,
+            machine VARCHAR(255) NOT NULL,
+            source VARCHAR(255) NOT NULL,
+            chassis VARCHAR(255) NOT NULL,
+            gpu VARCHAR(255) NOT NULL,
+            read_time TIMESTAMP WITH TIME ZONE NOT NULL,
+            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
+        )"""
+    )
+    # Ours, added to a gpuid table too (a migrated table keeps its rows, record_id NULL).
+    extra = (
+        "chassis VARCHAR(255) NOT NULL DEFAULT ''",
+        "record_id VARCHAR(255)",
+        "schema_version INTEGER",
+        "uuid VARCHAR(255)",
+        "gpu_index INTEGER",
+        "model VARCHAR(255)",
+        "pci_bus_id VARCHAR(255)",
+        "module_id INTEGER",
+        "board_part_number VARCHAR(255)",
+        "driver_version VARCHAR(255)",
+        "machine_source VARCHAR(255)",
+        "mig_devices TEXT[]",
+        "reason VARCHAR(255)",
+        "change VARCHAR(255)",
+        "attributes JSONB",
+    )
+    statements += [f"ALTER TABLE {r} ADD COLUMN IF NOT EXISTS {c}" for c in extra]
+    statements.append(
+        f"CREATE UNIQUE INDEX IF NOT EXISTS {_index(r, 'record_id')} ON {r} (record_id)"
+    )
+    for column in ("cluster", "node", "read_time", "created_at", "gpu", "uuid"):
+        statements.append(f"CREATE INDEX IF NOT EXISTS {_index(r, column)} ON {r} ({column})")
+    statements.append(
+        f"""CREATE TABLE IF NOT EXISTS {a} (
+            allocation_id VARCHAR(255) PRIMARY KEY,
+            cluster VARCHAR(255) NOT NULL,
+            node VARCHAR(255) NOT NULL,
+            machine VARCHAR(255) NOT NULL DEFAULT '',
+            gpu VARCHAR(255) NOT NULL DEFAULT '',
+            uuid VARCHAR(255),
+            mig_uuid VARCHAR(255),
+            namespace VARCHAR(255),
+            pod VARCHAR(255),
+            pod_uid VARCHAR(255),
+            container VARCHAR(255),
+            resource_name VARCHAR(255),
+            device_id VARCHAR(255),
+            workload_kind VARCHAR(255),
+            workload_name VARCHAR(255),
+            started_at TIMESTAMP WITH TIME ZONE,
+            ended_at TIMESTAMP WITH TIME ZONE,
+            start_record_id VARCHAR(255),
+            end_record_id VARCHAR(255),
+            attributes JSONB,
+            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW(),
+            updated_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
+        )"""
+    )
+    statements += [
+        f"CREATE INDEX IF NOT EXISTS {_index(a, 'open')} ON {a} (namespace) WHERE ended_at IS NULL",
+        f"CREATE INDEX IF NOT EXISTS {_index(a, 'gpu')} ON {a} (gpu)",
+        f"CREATE INDEX IF NOT EXISTS {_index(a, 'uuid')} ON {a} (uuid)",
+        f"CREATE INDEX IF NOT EXISTS {_index(a, 'started_at')} ON {a} (started_at)",
+    ]
+    statements.append(
+        f"""CREATE TABLE IF NOT EXISTS {e} (
+            id BIGSERIAL PRIMARY KEY,
+            record_id VARCHAR(255) NOT NULL,
+            kind VARCHAR(64) NOT NULL,
+            cluster VARCHAR(255) NOT NULL DEFAULT '',
+            node VARCHAR(255) NOT NULL DEFAULT '',
+            machine VARCHAR(255) NOT NULL DEFAULT '',
+            observed_at TIMESTAMP WITH TIME ZONE,
+            payload JSONB NOT NULL,
+            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
+        )"""
+    )
+    statements += [
+        f"CREATE UNIQUE INDEX IF NOT EXISTS {_index(e, 'record_id')} ON {e} (record_id)",
+        f"CREATE INDEX IF NOT EXISTS {_index(e, 'kind_time')} ON {e} (kind, observed_at)",
+        f"CREATE INDEX IF NOT EXISTS {_index(e, 'node')} ON {e} (node)",
+    ]
+    return statements
+
+
+# Per-connection staging tables: COPY lands here, then one INSERT … SELECT moves the rows.
+STAGING = (
+    f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_READINGS} (
+        cluster TEXT, node TEXT, machine TEXT, source TEXT, chassis TEXT, gpu TEXT,
+        read_time TIMESTAMPTZ, record_id TEXT, schema_version INTEGER, uuid TEXT,
+        gpu_index INTEGER, model TEXT, pci_bus_id TEXT, module_id INTEGER,
+        board_part_number TEXT, driver_version TEXT, machine_source TEXT, mig_devices TEXT[],
+        reason TEXT, change TEXT, attributes JSONB
+    ) ON COMMIT DELETE ROWS""",
+    f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_ALLOCATIONS} (
+        allocation_id TEXT, record_id TEXT, cluster TEXT, node TEXT, machine TEXT, gpu TEXT,
+        uuid TEXT, mig_uuid TEXT, namespace TEXT, pod TEXT, pod_uid TEXT, container TEXT,
+        resource_name TEXT, device_id TEXT, workload_kind TEXT, workload_name TEXT,
+        started_at TIMESTAMPTZ, ended_at TIMESTAMPTZ, attributes JSONB
+    ) ON COMMIT DELETE ROWS""",
+    f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_EVENTS} (
+        record_id TEXT, kind TEXT, cluster TEXT, node TEXT, machine TEXT,
+        observed_at TIMESTAMPTZ, payload JSONB
+    ) ON COMMIT DELETE ROWS""",
+)
+
+_READING_TARGET = (
+    "cluster, node, machine, source, chassis, gpu, read_time, record_id, schema_version, uuid, "
+    "gpu_index, model, pci_bus_id, module_id, board_part_number, driver_version, "
+    "machine_source, mig_devices, reason, change, attributes"
+)
+
+
+def insert_readings(tables: Tables) -> str:
+    # No conflict target: any unique index (ours on record_id, or gpuid's all-column UNIQUE
+    # on a migrated table) makes a re-sent row a no-op instead of an error.
+    return (
+        f"INSERT INTO {tables.readings} ({_READING_TARGET}) "
+        f"SELECT {_READING_TARGET} FROM {STAGE_READINGS} ON CONFLICT DO NOTHING"
+    )
+
+
+_DESCRIPTIVE = (
+    "machine",
+    "gpu",
+    "uuid",
+    "mig_uuid",
+    "namespace",
+    "pod",
+    "pod_uid",
+    "container",
+    "resource_name",
+    "device_id",
+    "workload_kind",
+    "workload_name",
+)
+
+
+def upsert_allocations(tables: Tables) -> str:
+    """One row per allocation: its start and end (earliest of each, whatever order records
+    arrive in); descriptive columns filled when first known. A re-sent record changes
+    nothing, not even updated_at."""
+    a = tables.allocations
+    described = ", ".join(f"max({c})" for c in _DESCRIPTIVE)
+    fill = ", ".join(f"{c} = COALESCE(t.{c}, EXCLUDED.{c})" for c in _DESCRIPTIVE)
+    return f"""
+        INSERT INTO {a} AS t (allocation_id, cluster, node, {", ".join(_DESCRIPTIVE)},
+            started_at, ended_at, start_record_id, end_record_id, attributes)
+        SELECT allocation_id, max(cluster), max(node), {described},
+            min(started_at), min(ended_at),
+            min(record_id) FILTER (WHERE ended_at IS NULL),
+            min(record_id) FILTER (WHERE ended_at IS NOT NULL),
+            (array_agg(attributes ORDER BY ended_at DESC NULLS LAST, record_id))[1]
+        FROM {STAGE_ALLOCATIONS} GROUP BY allocation_id
+        ON CONFLICT (allocation_id) DO UPDATE SET
+            started_at = LEAST(t.started_at, EXCLUDED.started_at),
+            ended_at = LEAST(t.ended_at, EXCLUDED.ended_at),
+            start_record_id = COALESCE(t.start_record_id, EXCLUDED.start_record_id),
+            end_record_id = CASE
+                WHEN t.ended_at IS NULL OR EXCLUDED.ended_at < t.ended_at
+                THEN COALESCE(EXCLUDED.end_record_id, t.end_record_id)
+                ELSE t.end_record_id END,
+            attributes = CASE WHEN EXCLUDED.ended_at IS NOT NULL AND t.ended_at IS NULL
+                THEN EXCLUDED.attributes ELSE t.attributes END,
+            {fill},
+            updated_at = NOW()
+        WHERE t.started_at IS DISTINCT FROM LEAST(t.started_at, EXCLUDED.started_at)
+           OR t.ended_at IS DISTINCT FROM LEAST(t.ended_at, EXCLUDED.ended_at)
+           OR (t.start_record_id IS NULL AND EXCLUDED.start_record_id IS NOT NULL)
+           OR (t.workload_name IS NULL AND EXCLUDED.workload_name IS NOT NULL)
+    """
+
+
+def insert_events(tables: Tables) -> str:
+    columns = "record_id, kind, cluster, node, machine, observed_at, payload"
+    return (
+        f"INSERT INTO {tables.events} ({columns}) SELECT {columns} FROM {STAGE_EVENTS} "
+        "ON CONFLICT DO NOTHING"
+    )
+
+
+def stored_ids(tables: Tables) -> str:
+    """Which of the record ids in $1 the readings table already holds."""
+    return f"SELECT record_id FROM {tables.readings} WHERE record_id = ANY($1::text[])"

@@ -1,0 +1,223 @@
+"""S3 exporter against moto's S3 server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import gzip
+import io
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuid_agent.errors import ExportError
+from gpuid_agent.metrics import AgentMetrics
+from gpuid_agent.sinks.exporters.base import BatchMeta
+from gpuid_agent.sinks.exporters.s3 import CSV_COLUMNS, S3Exporter, key_part, partition, to_csv
+from gpuid_agent.sinks.exporters.spool import DiskSpool
+from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker
+from tests.exporter_support import allocation, eventually, readings
+from tests.servers.s3 import MotoServer
+
+Factory = Callable[..., S3Exporter]
+KEY = re.compile(
+    r"^gpuid/year=\d{4}/month=\d\d/day=\d\d/hour=\d\d/cluster=[^/]+/node=[^/]+/"
+    r"\d{8}T\d{6}\.\d{3}Z-[0-9a-f]{32}(\.[a-z]+)?\.(csv|ndjson)(\.gz)?$"
+)
+
+
+@pytest.fixture
+async def make(moto_server: MotoServer, s3_bucket: str) -> AsyncIterator[Factory]:
+    made: list[S3Exporter] = []
+
+    def factory(**kw: Any) -> S3Exporter:
+        bucket = kw.pop("bucket", s3_bucket)
+        kw.setdefault("endpoint_url", moto_server.url)
+        kw.setdefault("region", "us-east-1")
+        kw.setdefault("path_style", True)
+        kw.setdefault("timeout", 5.0)
+        exporter = S3Exporter(bucket, **kw)
+        made.append(exporter)
+        return exporter
+
+    yield factory
+    for exporter in made:
+        await exporter.close()
+
+
+def objects(moto: MotoServer, bucket: str) -> dict[str, tuple[bytes, dict[str, str]]]:
+    client: Any = moto.client()
+    try:
+        out = {}
+        for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            got = client.get_object(Bucket=bucket, Key=item["Key"])
+            out[item["Key"]] = (got["Body"].read(), got["Metadata"])
+        return out
+    finally:
+        client.close()
+
+
+async def test_csv_object_with_gpuid_columns(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    batch = readings(2)
+    meta = BatchMeta.new()
+    await make().export(batch, meta)
+    stored = objects(moto_server, s3_bucket)
+    (key,) = stored
+    assert KEY.match(key), key
+    assert "/cluster=c1/node=n1/" in key
+    assert key.endswith(f"-{meta.batch_id}.csv")
+    body, metadata = stored[key]
+    rows = list(csv.reader(io.StringIO(body.decode())))
+    assert tuple(rows[0][:7]) == ("cluster", "node", "machine", "source", "chassis", "gpu", "time")
+    assert len(rows) == 9
+    assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0]["read_time"]]
+    assert rows[1][CSV_COLUMNS.index("record_id")] == batch[0]["record_id"]
+    assert metadata == {
+        "source": "gpuid-agent",
+        "record_count": "8",
+        "format": "csv",
+        "schema_version": "1",
+        "batch_id": meta.batch_id,
+        "kind": "reading",
+        "columns": ",".join(CSV_COLUMNS),
+        "header": "true",
+    }
+
+
+async def test_ndjson_gzip_and_no_header(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    await make(fmt="ndjson", gzip_objects=True).export([*readings(1), allocation(pod="p")])
+    await make(csv_header=False, prefix="").export(readings(1))
+    stored = objects(moto_server, s3_bucket)
+    ndjson = next(k for k in stored if k.endswith(".ndjson.gz"))
+    lines = gzip.decompress(stored[ndjson][0]).splitlines()
+    assert [json.loads(x)["kind"] for x in lines] == ["reading"] * 4 + ["allocation"]
+    plain = next(k for k in stored if k.endswith(".csv"))
+    assert plain.startswith("year=")  # no prefix, no leading slash
+    assert stored[plain][0].decode().splitlines()[0].startswith("c1,n1,m1,")
+
+
+async def test_other_kinds_beside_csv(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    await make().export([*readings(1), allocation(pod="p1"), allocation(pod="p2")])
+    stored = objects(moto_server, s3_bucket)
+    assert sorted(k.rsplit(".", 2)[-2:][0] if k.endswith(".ndjson") else "csv" for k in stored) == [
+        "allocation",
+        "csv",
+    ]
+    side = next(k for k in stored if k.endswith(".allocation.ndjson"))
+    assert stored[side][1]["record_count"] == "2"
+
+
+async def test_two_agents_same_second_never_collide(
+    make: Factory, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    created = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
+    agents = [make(), make()]
+    metas = [BatchMeta(BatchMeta.new().batch_id, created) for _ in range(6)]
+    await asyncio.gather(*(agents[i % 2].export(readings(1), meta) for i, meta in enumerate(metas)))
+    # a retry of a batch writes its own key again, with the same bytes
+    await agents[0].export(readings(1), metas[0])
+    stored = objects(moto_server, s3_bucket)
+    assert len(stored) == 6
+    assert {k.rsplit("-", 1)[1].split(".")[0] for k in stored} == {m.batch_id for m in metas}
+
+
+async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
+    server = MotoServer()  # its own server: this test takes it down
+    exporter = S3Exporter(
+        "outage",
+        endpoint_url=server.url,
+        region="us-east-1",
+        path_style=True,
+        timeout=2.0,
+        fmt="ndjson",
+    )
+    metrics = AgentMetrics()
+    spool = DiskSpool(tmp_path / "s3", 1 << 20)
+    policy = BatchPolicy(
+        batch_size=4, flush_interval=0.02, retry_count=1, backoff_base=0.02, backoff_max=0.1
+    )
+    worker = ExporterWorker(exporter, policy, metrics, store=spool)
+    task = asyncio.create_task(worker.run())
+    batch = readings(5)
+    try:
+        for record in batch:
+            await worker.put(record)
+        await eventually(lambda: worker.consecutive_failures >= 2 and spool.batches == 5)
+        assert not (await worker.health()).ok
+        assert (await worker.health()).state == "degraded"
+        await asyncio.to_thread(server.start)
+        client: Any = server.client()
+        client.create_bucket(Bucket="outage")
+        client.close()
+        await eventually(lambda: spool.batches == 0)
+        stored = objects(server, "outage")
+        ids = [
+            json.loads(line)["record_id"]
+            for body, _ in stored.values()
+            for line in body.splitlines()
+        ]
+        assert sorted(ids) == sorted(r["record_id"] for r in batch)
+        assert (await exporter.health()).ok
+    finally:
+        worker.close_intake()
+        await asyncio.wait_for(task, 10)
+        await exporter.close()
+        await asyncio.to_thread(server.stop)
+
+
+async def test_missing_bucket_is_retryable(make: Factory) -> None:
+    exporter = make(bucket="no-such-bucket")
+    with pytest.raises(ExportError) as info:
+        await exporter.export(readings(1))
+    assert info.value.retryable
+    assert info.value.error_type == "s3_NoSuchBucket"
+    health = await exporter.health()
+    assert not health.ok
+    assert "no-such-bucket" in (health.reason or "")
+
+
+@given(st.text(max_size=200))
+def test_key_parts_are_single_safe_segments(value: str) -> None:
+    part = key_part(value)
+    assert part
+    assert "/" not in part
+    assert part.strip(".")
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", part)
+
+
+@given(st.text(max_size=40))
+def test_partition_pattern_never_breaks_keys(pattern: str) -> None:
+    rendered = partition(pattern, BatchMeta.new())
+    assert "//" not in rendered
+    assert not rendered.startswith("/")
+    assert not rendered.endswith("/")
+    assert all(seg.strip(".") for seg in rendered.split("/") if rendered)
+
+
+@given(st.lists(st.text(max_size=30), min_size=7, max_size=7))
+def test_csv_round_trips_hostile_values(values: list[str]) -> None:
+    record = dict(
+        zip(
+            ("cluster", "node", "machine", "source", "chassis", "gpu", "read_time"),
+            values,
+            strict=True,
+        )
+    )
+    record["kind"] = "reading"
+    body = to_csv([record], header=False).decode()
+    (row,) = list(csv.reader(io.StringIO(body, newline="")))
+    expected = [v.encode("utf-8", "replace").decode() for v in values]
+    assert row[:7] == expected

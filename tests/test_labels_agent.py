@@ -1,0 +1,164 @@
+"""The agent with labelling wired in: a simulated node, the fake API server, the real client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.sinks.exporters.base import Exporter, Record
+from tests.conftest import eventually, running_agent, settings
+from tests.fakekube import FakeKube, free_port, write_kubeconfig
+
+P = "gpuid.github.com"
+NODE = "node-a"
+AWS = "aws:///us-east-1a/i-0123456789abcdef0"
+
+
+class Collect(Exporter):
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    async def export(self, batch: Sequence[Record]) -> None:
+        self.records.extend(batch)
+
+
+@pytest.fixture
+async def kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKube]:
+    # the test environment must not look like a pod (in-cluster config would win)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async with FakeKube() as server:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", server.url)))
+        yield server
+
+
+def agent_settings(**overrides: Any) -> Any:
+    base: dict[str, Any] = {
+        "simulate": "gb200x4",
+        "kube_api": "auto",
+        "labels": "on",
+        "label_startup_jitter": 0,
+        "label_resync_interval": 0.3,
+        # reading records only: no simulated kubelet, so no allocation records in the sink
+        "pod_resources_socket": "/nonexistent/kubelet.sock",
+    }
+    base.update(overrides)
+    return settings(**base)
+
+
+async def _get_json(agent: Agent, path: str) -> Any:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{agent.bound_port}{path}") as resp,
+    ):
+        return await resp.json()
+
+
+async def test_agent_labels_its_node_and_takes_machine_from_provider_id(kube: FakeKube) -> None:
+    kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE}, provider_id=AWS)
+    sink = Collect()
+    async with running_agent(Agent(agent_settings(), exporters=[sink])) as agent:
+        await eventually(lambda: kube.node_labels(NODE).get(f"{P}/gpu-count") == "4")
+        labels = kube.node_labels(NODE)
+        assert labels["kubernetes.io/hostname"] == NODE
+        assert f"{P}/chassis" in labels
+        assert {f"{P}/gpu-0", f"{P}/gpu-1"} <= set(labels)
+        assert agent.machine == "i-0123456789abcdef0"
+        await eventually(lambda: len(sink.records) >= 4)
+        await eventually(lambda: agent.board.is_ok("labels"))  # the PATCH answer is in
+        assert {r["machine"] for r in sink.records} == {"i-0123456789abcdef0"}
+        assert {r["machine_source"] for r in sink.records} == {"provider_id:aws"}
+        status = await _get_json(agent, "/status")
+        assert status["machine"] == {"id": "i-0123456789abcdef0", "source": "provider_id:aws"}
+        assert status["components"]["labels"]["state"] == "ok"
+        assert status["labels"]["desired"] == {
+            k: v for k, v in labels.items() if k.startswith(f"{P}/")
+        }
+        assert status["ready"] is True
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{agent.bound_port}/metrics") as resp,
+        ):
+            families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+        requests = families["gpuid_kube_api_requests"].samples
+        assert any(
+            s.labels == {"verb": "patch", "resource": "nodes", "code": "200"} for s in requests
+        )
+        assert families["gpuid_label_patches"].samples
+    assert kube.count("patch") == 1  # collections every 0.05 s, one patch
+
+
+async def test_machine_switches_to_provider_id_when_the_api_comes_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    port = free_port()
+    monkeypatch.setenv(
+        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", f"http://127.0.0.1:{port}"))
+    )
+    kube = FakeKube(port=port)
+    sink = Collect()
+    s = agent_settings()
+    try:
+        async with running_agent(Agent(s, exporters=[sink])) as agent:
+            await eventually(lambda: len(sink.records) >= 4)
+            assert {r["machine"] for r in sink.records} == {"sim-node-a"}
+            assert agent.board.get("labels").state == "degraded"  # type: ignore[union-attr]
+            await kube.start()
+            kube.add_node(NODE, provider_id=AWS)
+            await eventually(lambda: f"{P}/chassis" in kube.node_labels(NODE))
+            await eventually(lambda: len(sink.records) >= 8)
+            changed = sink.records[4:8]
+            assert {r["machine"] for r in changed} == {"i-0123456789abcdef0"}
+            assert {r["reason"] for r in changed} == {"change"}
+    finally:
+        await kube.stop()
+
+
+async def test_labels_off_reads_provider_id_but_never_patches(kube: FakeKube) -> None:
+    kube.add_node(NODE, provider_id="gce://proj/us-central1-a/gke-gpu-1")
+    async with running_agent(Agent(agent_settings(labels="off"), exporters=[Collect()])) as agent:
+        await eventually(lambda: agent.inventory is not None)
+        assert agent.machine == "gke-gpu-1"
+        assert agent.board.get("labels").state == "disabled"  # type: ignore[union-attr]
+    assert kube.count("patch") == 0
+    assert kube.count("get") == 1
+
+
+async def test_kube_api_off_makes_no_requests(kube: FakeKube) -> None:
+    kube.add_node(NODE, provider_id=AWS)
+    s = agent_settings(kube_api="off")
+    async with running_agent(Agent(s, exporters=[Collect()])) as agent:
+        await eventually(lambda: agent.inventory is not None)
+        status = await _get_json(agent, "/status")
+    assert kube.requests == []
+    assert status["machine"]["source"] == "simulated"
+    assert status["components"]["labels"] == {
+        "state": "disabled",
+        "reason": "KUBE_API=off",
+        "since": status["components"]["labels"]["since"],
+    }
+
+
+async def test_broken_kubeconfig_is_reported_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    bad = tmp_path / "kc"
+    bad.write_text("users: [oops")
+    monkeypatch.setenv("KUBECONFIG", str(bad))
+    async with running_agent(Agent(agent_settings(), exporters=[Collect()])) as agent:
+        await eventually(lambda: agent.inventory is not None)
+        api = agent.board.get("kube_api")
+        assert api is not None
+        assert api.state == "unavailable"
+        assert "unusable" in (api.reason or "")
+        ready, _ = await agent.readiness()
+        assert ready  # labelling trouble does not take the agent out of service

@@ -1,0 +1,120 @@
+"""The labeller's API error policy: classification, Retry-After parsing, capped backoff."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from gpuid_agent.sinks.labels.policy import (
+    MAX_RETRY_AFTER,
+    Backoff,
+    classify,
+    parse_retry_after,
+)
+from gpuid_agent.sources.kube_client import describe_request
+from tests.fakekube import status_body
+
+
+def api_error(
+    status: int, message: str = "m", headers: dict[str, str] | None = None
+) -> ApiException:
+    exc = ApiException(status=status, reason="r")
+    exc.body = json.dumps(status_body(status, message))
+    exc.headers = headers or {}
+    return exc
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "retry"),
+    [
+        (409, "conflict", "now"),
+        (429, "throttled", "backoff"),
+        (500, "server_error", "backoff"),
+        (502, "server_error", "backoff"),
+        (503, "server_error", "backoff"),
+        (504, "server_error", "backoff"),
+        (401, "unauthorized", "resync"),
+        (403, "forbidden", "resync"),
+        (404, "not_found", "resync"),
+        (422, "invalid", "resync"),
+        (400, "client_error", "resync"),
+    ],
+)
+def test_status_classification(status: int, reason: str, retry: str) -> None:
+    failure = classify(api_error(status, "Status message"))
+    assert (failure.reason, failure.retry) == (reason, retry)
+
+
+def test_other_failures() -> None:
+    assert classify(TimeoutError()).reason == "timeout"
+    assert classify(aiohttp.ServerDisconnectedError()).reason == "connection"
+    assert classify(ConnectionRefusedError()).reason == "connection"
+    assert classify(ValueError("bad model")).reason == "malformed"
+    assert classify(ValueError("bad model")).retry == "backoff"
+
+
+def test_details_are_stable_and_carry_the_status_message() -> None:
+    a = classify(api_error(403, 'nodes "n1" is forbidden: User "x" cannot patch'))
+    b = classify(api_error(403, 'nodes "n1" is forbidden: User "x" cannot patch'))
+    assert a.detail == b.detail == '403 nodes "n1" is forbidden: User "x" cannot patch'
+    assert classify(api_error(503)).detail == classify(api_error(503, "other")).detail
+
+
+def test_429_retry_after_forms() -> None:
+    assert classify(api_error(429, headers={"Retry-After": "7"})).retry_after == 7.0
+    assert classify(api_error(429)).retry_after is None
+    soon = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 20 < (parse_retry_after(soon) or 0) <= 30
+    past = format_datetime(datetime.now(UTC) - timedelta(seconds=30), usegmt=True)
+    assert parse_retry_after(past) == 0.0
+    assert parse_retry_after("1e9") == MAX_RETRY_AFTER
+    assert parse_retry_after("-5") == 0.0
+    assert parse_retry_after("nan") is None
+    assert parse_retry_after("soon") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=60), st.floats().map(str), st.integers().map(str)))
+def test_retry_after_never_raises_and_is_bounded(header: str) -> None:
+    seconds = parse_retry_after(header)
+    assert seconds is None or 0.0 <= seconds <= MAX_RETRY_AFTER
+
+
+def test_backoff_grows_is_jittered_and_capped() -> None:
+    backoff = Backoff(1.0, 30.0, random.Random(3))
+    delays = [backoff.next() for _ in range(12)]
+    for n, delay in enumerate(delays):
+        ceiling = min(30.0, 2.0**n)
+        assert ceiling / 2 <= delay <= ceiling
+    assert len(set(delays)) == len(delays)
+    backoff.reset()
+    assert backoff.next() <= 1.0
+    huge = Backoff(1.0, 300.0)
+    huge.failures = 10_000
+    assert 150.0 <= huge.next() <= 300.0
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "query", "expected"),
+    [
+        ("GET", "https://h/api/v1/nodes/n1", None, ("get", "nodes")),
+        ("PATCH", "https://h/api/v1/nodes/n1", None, ("patch", "nodes")),
+        ("PATCH", "https://h/api/v1/nodes/n1/status", None, ("patch", "nodes/status")),
+        ("GET", "https://h/api/v1/pods", [("fieldSelector", "x")], ("list", "pods")),
+        ("GET", "https://h/api/v1/pods", [("watch", True)], ("watch", "pods")),
+        ("GET", "https://h/apis/apps/v1/namespaces/ns/replicasets/r", None, ("get", "replicasets")),
+        ("GET", "https://h/version", None, ("get", "other")),
+    ],
+)
+def test_request_naming_for_metrics(
+    method: str, url: str, query: list[tuple[str, object]] | None, expected: tuple[str, str]
+) -> None:
+    assert describe_request(method, url, query) == expected
