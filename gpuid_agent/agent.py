@@ -529,12 +529,15 @@ class Agent:
         self.supervisor.spawn("emitter", self.emitter.run())
         await self.labelling.start(self.supervisor.spawn)
         self.supervisor.spawn("allocations", self.trail.run())
-        if self.pods is not None and await self.pods.open():
+        # One API client for the agent (opened by the labelling, which also needs it for the
+        # machine id), so every request is counted in gpuid_kube_api_requests_total.
+        kube = self.labelling.kube
+        if self.pods is not None and await self.pods.open(kube):
             self.supervisor.spawn("pods", self.pods.run())
         self.supervisor.spawn("pod-resources", self.pod_resources.run())
         self.supervisor.spawn("attribution", self._attribution_loop())
         self.supervisor.spawn("health-records", self.health_publisher.run())
-        if self.conditions is not None and await self.conditions.open():
+        if self.conditions is not None and await self.conditions.open(kube):
             self.supervisor.spawn("node-conditions", self.conditions.run())
         self.supervisor.spawn("collector", self._collect_loop())
         _log.info(

@@ -162,3 +162,24 @@ async def test_broken_kubeconfig_is_reported_not_fatal(
         assert "unusable" in (api.reason or "")
         ready, _ = await agent.readiness()
         assert ready  # labelling trouble does not take the agent out of service
+
+
+async def test_one_counted_api_client_serves_labels_pods_and_conditions(kube: FakeKube) -> None:
+    kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE}, provider_id=AWS)
+    s = agent_settings(node_conditions=True, fault="xid79:gpu2")
+    async with running_agent(Agent(s, exporters=[Collect()])) as agent:
+        await eventually(lambda: kube.node_labels(NODE).get(f"{P}/gpu-count") == "4")
+        assert agent.pods is not None
+        await eventually(lambda: agent.pods.ready)  # type: ignore[union-attr]
+        await eventually(lambda: agent.conditions is not None and agent.conditions.writes > 0)
+        counted = {
+            (s.labels["verb"], s.labels["resource"])
+            for family in agent.registry.collect()
+            if family.name == "gpuid_kube_api_requests"
+            for s in family.samples
+            if s.name.endswith("_total") and s.value > 0
+        }
+        # pods (list/watch), labels (node get/patch) and conditions (nodes/status) all counted
+        assert any(resource == "pods" for _, resource in counted), counted
+        assert any(resource.startswith("nodes/status") for _, resource in counted), counted
+        assert agent.pods._client is agent.labelling.kube  # type: ignore[union-attr]

@@ -96,16 +96,19 @@ class NodeConditionWriter:
         self._mode = kube_api
         self._timeout = timeout
         self._client: KubeClient | None = None
+        self._owns_client = True
         self._latest: NodeHealth | None = None
         self._wake = asyncio.Event()
         # what the Node carries for our types: status and lastTransitionTime; None: not read
         self._on_node: dict[str, tuple[Condition, str]] | None = None
         self.writes = 0
 
-    async def open(self) -> bool:
-        """Find the Kubernetes API; False (and the reason on /status) when there is none."""
+    async def open(self, shared: KubeClient | None = None) -> bool:
+        """Use the agent's API client (`shared`, not closed here) or find one; False (and the
+        reason on /status) when there is none."""
+        self._owns_client = shared is None
         try:
-            self._client = await create_kube_client(self._mode)
+            self._client = shared or await create_kube_client(self._mode)
         except KubeConfigError as exc:
             self._board.set(COMPONENT, "unavailable", str(exc))
             return False
@@ -116,9 +119,9 @@ class NodeConditionWriter:
         return True
 
     async def close(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self._owns_client:
             await self._client.close()
-            self._client = None
+        self._client = None
 
     def offer(self, health: NodeHealth) -> None:
         self._latest = health

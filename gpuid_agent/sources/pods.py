@@ -196,6 +196,7 @@ class PodCache:
         self._backoff_max = backoff_max
         self._client_factory = client_factory
         self._client: KubeClient | None = None
+        self._owns_client = True
         self._pods: dict[tuple[str, str], PodMeta] = {}
         self._raw_owner: dict[tuple[str, str], Any] = {}
         self._deleted: dict[tuple[str, str], tuple[PodMeta, float]] = {}
@@ -227,10 +228,12 @@ class PodCache:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def open(self) -> bool:
-        """Find the API; False (and ready, with the reason on /status) when there is none."""
+    async def open(self, shared: KubeClient | None = None) -> bool:
+        """Use the agent's API client (`shared`, not closed here) or find one; False (and
+        ready, with the reason on /status) when there is none."""
+        self._owns_client = shared is None
         try:
-            self._client = await self._client_factory(self._mode)
+            self._client = shared or await self._client_factory(self._mode)
         except KubeConfigError as exc:
             self._unreachable(str(exc))
             return False
@@ -247,9 +250,9 @@ class PodCache:
         self.changed.set()
 
     async def close(self) -> None:
-        if self._client is not None:
+        if self._client is not None and self._owns_client:
             await self._client.close()
-            self._client = None
+        self._client = None
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"

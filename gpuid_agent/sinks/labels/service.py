@@ -115,6 +115,8 @@ class NodeLabelling:
         }
 
     async def close(self) -> None:
+        """Close the API client: the agent's one client, shared with the pod cache and the
+        Node conditions writer, which close after this."""
         if self.kube is not None:
             await self.kube.close()
             self.kube = None
