@@ -28,6 +28,9 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
 EXPORTER_NAMES = ("stdout", "http", "postgres", "s3")
+# Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
+# SIMULATE fails at start with the other configuration errors.
+SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig")
 
 
 def parse_duration(value: object) -> float:
@@ -124,7 +127,9 @@ class Settings(BaseSettings):
     heartbeat_interval: PositiveDuration = Field(
         3600.0, description="Re-emit reading records this often even without change."
     )
-    simulate: str = Field("", description="Run on a simulated node profile (h100x8, gb200x4, …).")
+    simulate: Literal["", *SIMULATION_PROFILES] = Field(  # type: ignore[valid-type]
+        "", description="Run on a simulated node profile: " + ", ".join(SIMULATION_PROFILES) + "."
+    )
 
     # pipeline
     exporter_type: Annotated[CommaList, AfterValidator(_exporters)] = Field(

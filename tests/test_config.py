@@ -93,3 +93,16 @@ def test_postgres_table_must_be_an_identifier(table: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings({"postgres_table": table})
     assert "POSTGRES_TABLE" in info.value.problems
+
+
+def test_simulation_profiles_match_the_simulator() -> None:
+    from gpuid_agent.config import SIMULATION_PROFILES
+    from gpuid_agent.simulate.profiles import PROFILES
+
+    assert set(SIMULATION_PROFILES) == set(PROFILES)
+
+
+def test_unknown_simulation_profile_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"simulate": "gb300x9"})
+    assert "gb200x4" in info.value.problems["SIMULATE"]
