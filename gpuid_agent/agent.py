@@ -142,7 +142,6 @@ class Agent:
         self._rendered = gpu_metrics.EMPTY
         self._render_lock = asyncio.Lock()
         self._render_seq = self._installed_seq = 0
-        self._health_inventory: NodeInventory | None = None
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
         self.started_at = datetime.now(UTC)
@@ -195,30 +194,37 @@ class Agent:
             state_dir=settings.state_dir,
         )
 
-    async def _refresh_attribution(
-        self, inventory: NodeInventory | None = None, samples: dict[str, GpuSample] | None = None
-    ) -> None:
-        """Re-attribute and re-render /gpu/metrics, installing a new NVML reading when given
-        (together with its render, so a visible inventory always has its metrics).
+    def _refresh_now(self) -> None:
+        """Attribute and render /gpu/metrics on the loop, at once: after an NVML collection
+        and an XID, so what the agent knows and what it serves move together."""
+        attribution = self.attributor.refresh(self.inventory)
+        if self.inventory is None:
+            return
+        self._render_seq += 1
+        render = self._renderer(self.inventory, self.samples, attribution)
+        self._install(self._render_seq, render())
+        self._offer_trail(attribution)
 
-        Rendering thousands of per-pod series takes long enough to stall scrapes: it runs in
-        a thread, one render at a time. The trail gets the mapping once pod metadata is in,
-        so allocation ids carry the pod UID from the first record."""
+    async def _refresh_attribution(self) -> None:
+        """After a kubelet or pod-metadata change: attribute, and render in a thread, since a
+        page of thousands of per-pod series (dcgm naming) takes long enough to stall scrapes.
+        A render the loop installed meanwhile is newer and wins."""
         async with self._render_lock:
-            if inventory is None:
-                inventory, samples = self.inventory, self.samples
+            inventory, samples = self.inventory, self.samples
             attribution = self.attributor.refresh(inventory)
             if inventory is None:
                 return
-            samples = samples or {}
+            self._offer_trail(attribution)
             self._render_seq += 1
             seq = self._render_seq
-            rendered = await asyncio.to_thread(self._renderer(inventory, samples, attribution))
-            self.inventory, self.samples = inventory, samples
-            if not self._install(seq, rendered):
-                self.attributor.request_refresh()  # a newer render used older inputs: redo
-            if self.attributor.pods_ready:
-                self.trail.offer(attribution, inventory)
+            self._install(
+                seq, await asyncio.to_thread(self._renderer(inventory, samples, attribution))
+            )
+
+    def _offer_trail(self, attribution: Attribution) -> None:
+        # once pod metadata is in, so allocation ids carry the pod UID from the first record
+        if self.inventory is not None and self.attributor.pods_ready:
+            self.trail.offer(attribution, self.inventory)
 
     def _renderer(
         self, inventory: NodeInventory, samples: dict[str, GpuSample], attribution: Attribution
@@ -239,14 +245,6 @@ class Agent:
             return False
         self._installed_seq, self._rendered = seq, rendered
         return True
-
-    def _render_now(self) -> None:
-        """Render on the loop, for rare events that must show at once (an XID)."""
-        if self.inventory is None:
-            return
-        self._render_seq += 1
-        render = self._renderer(self.inventory, self.samples, self.attributor.current)
-        self._install(self._render_seq, render())
 
     def _kubelet_gpu_count(self) -> int | None:
         """GPUs the kubelet can allocate (None without GetAllocatableResources)."""
@@ -313,10 +311,12 @@ class Agent:
             cuda_driver_version=reading.cuda_driver_version,
             read_time=datetime.now(UTC),
         )
+        self.inventory = inventory
+        self.samples = reading.samples
         signals = await self._check_health(inventory, reading)
         # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too
-        samples = with_health_fields(reading.samples, signals.values())
-        await self._refresh_attribution(inventory, samples)
+        self.samples = with_health_fields(reading.samples, signals.values())
+        self._refresh_now()
         self.metrics.gpu_count.set(len(inventory.gpus))
         self.metrics.nvml_up.set(1)
         if reading.lost:
@@ -376,8 +376,6 @@ class Agent:
     async def _check_health(
         self, inventory: NodeInventory, reading: NvmlReading
     ) -> dict[int, GpuHealthSignals]:
-        # XID records between now and this inventory's render name GPUs from it
-        self._health_inventory = inventory
         readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
         try:
             signals = await self.nvml.run(lambda: self.health_reader.read(readable))
@@ -400,7 +398,7 @@ class Agent:
             self.board.set("health", "degraded", self.xid.unavailable)
         else:
             self.board.set("health", "ok")
-        self._publish_health(transitions, inventory)
+        self._publish_health(transitions)
         if self.conditions is not None:
             self.conditions.offer(self.health.snapshot())
         return signals
@@ -416,13 +414,10 @@ class Agent:
         self._publish_health(self.health.record_xid(event))
         if self.conditions is not None:
             self.conditions.offer(self.health.snapshot())
-        self._render_now()
+        self._refresh_now()
 
-    def _publish_health(
-        self, transitions: list[Transition], inventory: NodeInventory | None = None
-    ) -> None:
-        inventory = inventory or self._health_inventory
-        if not transitions or inventory is None:
+    def _publish_health(self, transitions: list[Transition]) -> None:
+        if not transitions or self.inventory is None:
             return
         for t in transitions:
             level = 30 if t.current.state in ("degraded", "unhealthy") else 20
@@ -438,7 +433,7 @@ class Agent:
                     "action": t.current.action,
                 },
             )
-        self.health_publisher.offer(health_records(transitions, inventory, source=self.source))
+        self.health_publisher.offer(health_records(transitions, self.inventory, source=self.source))
 
     async def _stop_xid(self, within: float) -> None:
         loop = asyncio.get_running_loop()
