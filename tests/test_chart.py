@@ -320,6 +320,8 @@ def test_host_paths_have_explicit_types_and_only_the_spool_is_writable() -> None
             assert bool(mount.get("readOnly")) is read_only, f"{name}: {volume}"
             if variable in env:
                 assert env[variable]["value"].startswith(mount["mountPath"]), f"{name}: {volume}"
+            if volume == "spool":  # the allocation state survives restarts beside the spool
+                assert env["STATE_DIR"]["value"].startswith(mount["mountPath"]), name
             seen.add(volume)
     assert seen == set(HOST_PATHS), "ci values must cover every host mount"
     default = rendered("default-values.yaml", newest_supported()).one("DaemonSet")

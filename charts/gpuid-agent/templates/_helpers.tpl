@@ -138,6 +138,9 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- if $v.spool.enabled }}
 {{- $_ := set $env "SPOOL_DIR" (include "gpuid-agent.spoolDir" .) }}
 {{- $_ := set $env "SPOOL_MAX_BYTES" ($v.spool.maxBytes | int64 | toString) }}
+{{- /* The open-allocation state (STATE_DIR) shares the spool's hostPath, so a restarted
+agent closes allocations that ended while it was down and sends no duplicate starts. */}}
+{{- $_ := set $env "STATE_DIR" (printf "%s/state" (include "gpuid-agent.spoolDir" .)) }}
 {{- end }}
 {{- if $v.podResources.enabled }}
 {{- $_ := set $env "POD_RESOURCES_SOCKET" (printf "%s/kubelet.sock" (include "gpuid-agent.podResourcesDir" .)) }}
