@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,35 @@ async def test_strings_json_cannot_encode_directly_round_trip(tmp_path: Path) ->
     head = DiskSpool(tmp_path, 1 << 20).oldest()
     assert head is not None
     assert await spool.load(head) == records
+
+
+async def test_next_batch_is_read_ahead_while_one_is_sent(tmp_path: Path) -> None:
+    for i in range(3):
+        await DiskSpool(tmp_path, 1 << 20).add(readings(2, node=f"n{i}"))
+    spool = DiskSpool(tmp_path, 1 << 20)  # as after a restart: nothing in memory
+    first = spool.oldest()
+    assert first is not None
+    spool.prefetch_after(first)
+    assert (await spool.load(first))[0]["node"] == "n0"
+    await spool.remove(first)
+    second = spool.oldest()
+    assert second is not None
+    assert second.path is not None
+    for _ in range(200):  # the read-ahead runs in a thread; let it finish
+        if spool._prefetched is not None and spool._prefetched[1].done():
+            break
+        await asyncio.sleep(0.01)
+    second.path.rename(tmp_path / "moved-away")  # only the read-ahead copy can answer now
+    assert [r["node"] for r in await spool.load(second)] == ["n1"] * 8
+
+
+async def test_a_dropped_batch_cancels_its_read_ahead(tmp_path: Path) -> None:
+    spool = DiskSpool(tmp_path, 1 << 20)
+    for i in range(2):
+        await spool.add(readings(1, node=f"n{i}"))
+    first = spool.oldest()
+    assert first is not None
+    spool.prefetch_after(first)
+    second = list(spool._pending.values())[1]
+    await spool.remove(second)
+    assert spool._prefetched is None

@@ -318,6 +318,7 @@ class ExporterWorker:
                 self._stored.clear()
                 await self._stored.wait()
                 continue
+            self.store.prefetch_after(batch)
             outcome = await self._send(batch)
             if outcome is not Outcome.FAILED:
                 cycle = 0

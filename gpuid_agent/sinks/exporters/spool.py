@@ -73,6 +73,10 @@ class BatchStore(ABC):
     def oldest(self) -> StoredBatch | None:
         return next(iter(self._pending.values()), None)
 
+    def prefetch_after(self, batch: StoredBatch) -> None:
+        """Start reading the batch queued after `batch` while `batch` is being sent."""
+        return None
+
     @abstractmethod
     def full(self, records: int) -> bool:
         """Whether adding `records` more would pass the bound (never for an empty store)."""
@@ -161,6 +165,13 @@ def _decode(data: bytes) -> list[Record]:
     return out
 
 
+def _consume_exception(task: asyncio.Future[list[Record]]) -> None:
+    # A prefetch whose batch was dropped is never awaited: read its outcome so asyncio
+    # does not report it; the real load reads the file again and reports any error.
+    if not task.cancelled():
+        task.exception()
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -192,6 +203,7 @@ class DiskSpool(BatchStore):
         self._rejected: OrderedDict[str, StoredBatch] = OrderedDict()
         self._bytes = 0
         self.write_error: str | None = None
+        self._prefetched: tuple[str, asyncio.Task[list[Record]]] | None = None
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         probe = directory / ".probe.tmp"
         probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
@@ -299,27 +311,61 @@ class DiskSpool(BatchStore):
         return dropped
 
     async def _unlink(self, batch: StoredBatch) -> None:
+        if self._prefetched is not None and self._prefetched[0] == batch.meta.batch_id:
+            self._drop_prefetch()
         if batch.path is not None:
             path = batch.path
             await asyncio.to_thread(path.unlink, missing_ok=True)
             self._bytes -= batch.size
             batch.path = None
 
+    @staticmethod
+    def _read(path: Path, count: int) -> list[Record]:
+        """Read and decode one batch file (in a worker thread: a 10,000-record batch takes
+        tens of milliseconds to decode, which would stall scrapes on the event loop)."""
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
+        records = _decode(data)
+        if len(records) != count:
+            raise CorruptBatchError(
+                f"{path.name} holds {len(records)} records, its name says {count}"
+            )
+        return records
+
+    def prefetch_after(self, batch: StoredBatch) -> None:
+        # A backlog drains at the sink's speed only if the next file is decoded while the
+        # current batch is in flight, not after it.
+        ids = iter(self._pending)
+        for batch_id in ids:
+            if batch_id == batch.meta.batch_id:
+                break
+        following = self._pending.get(next(ids, ""))
+        if following is None or following.records is not None or following.path is None:
+            return
+        if self._prefetched is not None and self._prefetched[0] == following.meta.batch_id:
+            return
+        self._drop_prefetch()
+        task = asyncio.ensure_future(asyncio.to_thread(self._read, following.path, following.count))
+        task.add_done_callback(_consume_exception)
+        self._prefetched = (following.meta.batch_id, task)
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetched is not None:
+            self._prefetched[1].cancel()
+            self._prefetched = None
+
     async def load(self, batch: StoredBatch) -> list[Record]:
         if batch.records is not None:
             return batch.records
         if batch.path is None:
             raise CorruptBatchError("batch file is gone")
-        try:
-            data = await asyncio.to_thread(batch.path.read_bytes)
-        except OSError as exc:
-            raise CorruptBatchError(f"cannot read {batch.path.name}: {exc}") from exc
-        records = _decode(data)
-        if len(records) != batch.count:
-            raise CorruptBatchError(
-                f"{batch.path.name} holds {len(records)} records, its name says {batch.count}"
-            )
-        return records
+        if self._prefetched is not None and self._prefetched[0] == batch.meta.batch_id:
+            task = self._prefetched[1]
+            self._prefetched = None
+            return await task
+        return await asyncio.to_thread(self._read, batch.path, batch.count)
 
     async def remove(self, batch: StoredBatch) -> None:
         self._pending.pop(batch.meta.batch_id, None)
