@@ -173,7 +173,7 @@ async def test_next_batch_is_read_ahead_while_one_is_sent(tmp_path: Path) -> Non
     assert second is not None
     assert second.path is not None
     for _ in range(200):  # the read-ahead runs in a thread; let it finish
-        if spool._prefetched is not None and spool._prefetched[1].done():
+        if second.meta.batch_id in spool._prefetched and spool._prefetched[second.meta.batch_id].done():
             break
         await asyncio.sleep(0.01)
     second.path.rename(tmp_path / "moved-away")  # only the read-ahead copy can answer now
@@ -188,5 +188,6 @@ async def test_a_dropped_batch_cancels_its_read_ahead(tmp_path: Path) -> None:
     assert first is not None
     spool.prefetch_after(first)
     second = list(spool._pending.values())[1]
+    assert second.meta.batch_id in spool._prefetched
     await spool.remove(second)
-    assert spool._prefetched is None
+    assert spool._prefetched == {}

@@ -203,7 +203,8 @@ class DiskSpool(BatchStore):
         self._rejected: OrderedDict[str, StoredBatch] = OrderedDict()
         self._bytes = 0
         self.write_error: str | None = None
-        self._prefetched: tuple[str, asyncio.Task[list[Record]]] | None = None
+        # read-ahead of at most the batch being sent and the one after it, by batch id
+        self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         probe = directory / ".probe.tmp"
         probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
@@ -311,8 +312,7 @@ class DiskSpool(BatchStore):
         return dropped
 
     async def _unlink(self, batch: StoredBatch) -> None:
-        if self._prefetched is not None and self._prefetched[0] == batch.meta.batch_id:
-            self._drop_prefetch()
+        self._drop_prefetch(batch.meta.batch_id)
         if batch.path is not None:
             path = batch.path
             await asyncio.to_thread(path.unlink, missing_ok=True)
@@ -342,28 +342,32 @@ class DiskSpool(BatchStore):
             if batch_id == batch.meta.batch_id:
                 break
         following = self._pending.get(next(ids, ""))
-        if following is None or following.records is not None or following.path is None:
+        keep = {batch.meta.batch_id, following.meta.batch_id if following else ""}
+        for stale in [k for k in self._prefetched if k not in keep]:
+            self._drop_prefetch(stale)
+        if (
+            following is None
+            or following.records is not None
+            or following.path is None
+            or following.meta.batch_id in self._prefetched
+        ):
             return
-        if self._prefetched is not None and self._prefetched[0] == following.meta.batch_id:
-            return
-        self._drop_prefetch()
         task = asyncio.ensure_future(asyncio.to_thread(self._read, following.path, following.count))
         task.add_done_callback(_consume_exception)
-        self._prefetched = (following.meta.batch_id, task)
+        self._prefetched[following.meta.batch_id] = task
 
-    def _drop_prefetch(self) -> None:
-        if self._prefetched is not None:
-            self._prefetched[1].cancel()
-            self._prefetched = None
+    def _drop_prefetch(self, batch_id: str) -> None:
+        task = self._prefetched.pop(batch_id, None)
+        if task is not None:
+            task.cancel()
 
     async def load(self, batch: StoredBatch) -> list[Record]:
         if batch.records is not None:
             return batch.records
         if batch.path is None:
             raise CorruptBatchError("batch file is gone")
-        if self._prefetched is not None and self._prefetched[0] == batch.meta.batch_id:
-            task = self._prefetched[1]
-            self._prefetched = None
+        task = self._prefetched.pop(batch.meta.batch_id, None)
+        if task is not None:
             return await task
         return await asyncio.to_thread(self._read, batch.path, batch.count)
 
