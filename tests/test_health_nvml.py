@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.health.tracker import HealthTracker
+from gpuid_agent.sinks import gpu_metrics
 from gpuid_agent.sinks.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.health_nvml import HealthReader
 from gpuid_agent.sources.nvml import NvmlSource
@@ -133,6 +134,9 @@ async def test_xid_79_makes_that_gpu_unhealthy_and_everything_else_carries_on(
 
         _, text = await run.get("/gpu/metrics")
         families = _metrics(text)
+        # the declared names (docs, chart checks) cover every family really served
+        declared = set(gpu_metrics.metric_names("prometheus"))
+        assert {f.name + ("_total" if f.type == "counter" else "") for f in families.values()} <= declared
         xids = [s for s in families["gpuid_gpu_xid_errors"].samples if s.name.endswith("_total")]
         assert [(s.labels["gpu"], s.labels["xid"], s.value) for s in xids] == [("2", "79", 1.0)]
         overall = {

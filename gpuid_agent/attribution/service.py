@@ -93,10 +93,6 @@ class Attributor:
         elif not unmapped:
             _log.info("all kubelet device ids attributed again")
 
-    def request_refresh(self) -> None:
-        """Wake `wait_changed` although no source changed (other inputs of the render did)."""
-        self.changed.set()
-
     async def wait_changed(self) -> None:
         """Return once the kubelet mapping or the pod metadata changed, or on request."""
         await self.changed.wait()

@@ -289,7 +289,7 @@ def metric_names(naming: Naming) -> list[str]:
     """Every metric family /gpu/metrics can expose under a naming."""
     info = "gpuid_gpu_info" if naming == "prometheus" else "DCGM_FI_DEV_INFO"
     names = [f.prom_name if naming == "prometheus" else f.dcgm_name for f in FIELDS]
-    return [info, HOLDERS_METRIC, ALLOCATION_INFO, *names]
+    return [info, HOLDERS_METRIC, ALLOCATION_INFO, *names, *health_metric_names(naming)]
 
 
 class _Families(Collector):
