@@ -72,7 +72,7 @@ def sbom(session: nox.Session) -> None:
     )
 
 
-PROTO = "gpuid_agent/sources/podresources/v1/api.proto"
+PROTO = "gpuid_agent/sources/kubelet/v1/api.proto"
 GRPC_TOOLS = "grpcio-tools==1.85.1"  # keep in step with the grpcio/protobuf floors
 
 

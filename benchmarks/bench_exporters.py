@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.base import BatchMeta
-from gpuid_agent.sinks.exporters.http import HttpExporter
-from gpuid_agent.sinks.exporters.postgres import PostgresExporter, Tables
-from gpuid_agent.sinks.exporters.postgres import rows as rowmap
-from gpuid_agent.sinks.exporters.s3 import S3Exporter
-from gpuid_agent.sinks.exporters.spool import DiskSpool
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.exporters.base import BatchMeta
+from gpuid_agent.delivery.exporters.http import HttpExporter
+from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
+from gpuid_agent.delivery.exporters.postgres import rows as rowmap
+from gpuid_agent.delivery.exporters.s3 import S3Exporter
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import readings
 from tests.servers.postgres import PostgresCluster, free_port
 from tests.servers.s3 import CREDENTIALS, MotoServer

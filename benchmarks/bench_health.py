@@ -11,18 +11,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.common import Row, median, percentile
-from gpuid_agent import log
 from gpuid_agent.agent import Agent
-from gpuid_agent.config import load_settings
-from gpuid_agent.health.tracker import HealthTracker
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sinks import gpu_metrics
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.health_nvml import HealthReader
-from gpuid_agent.sources.health_signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
-from gpuid_agent.sources.nvml import NvmlSource
-from gpuid_agent.sources.nvml_api import PynvmlApi
+from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.reader import NvmlSource
+from gpuid_agent.sources.nvml.signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
+from gpuid_agent.state.health.tracker import HealthTracker
 
 GPUS = 8
 
@@ -88,8 +88,8 @@ async def _read_cost_fake_library() -> tuple[float, str]:
 def _render_cost() -> tuple[float, float, int, int]:
     api = SimulatedNvml("h100x8", "bench")
     api.init()
-    from gpuid_agent.inventory import build_inventory
-    from gpuid_agent.sources.nvml import NvmlReader
+    from gpuid_agent.sources.nvml.reader import NvmlReader
+    from gpuid_agent.state.inventory import build_inventory
 
     reading = NvmlReader(api).read({})
     inventory = build_inventory(

@@ -19,12 +19,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from benchmarks.common import Row, median, percentile
-from gpuid_agent.config import Settings
-from gpuid_agent.inventory import build_inventory
 from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
-from gpuid_agent.sinks.labels import LabelMetrics, NodeLabeler, desired_state
-from gpuid_agent.sources.kube_client import create_kube_client
-from gpuid_agent.status import StatusBoard
+from gpuid_agent.node.labels import LabelMetrics, NodeLabeler, desired_state
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import create_kube_client
+from gpuid_agent.state.inventory import build_inventory
 from tests.fakekube import FakeKube, write_kubeconfig
 
 NODE = "bench-node"

@@ -17,39 +17,40 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuid_agent import __version__, log
-from gpuid_agent.attribution import Attribution, count_allocatable_gpus
-from gpuid_agent.attribution.service import Attributor
-from gpuid_agent.config import Settings
-from gpuid_agent.errors import NvmlUnavailableError
-from gpuid_agent.health.model import Transition
-from gpuid_agent.health.tracker import HealthTracker
-from gpuid_agent.inventory import build_inventory
-from gpuid_agent.metrics import AgentMetrics
+from gpuid_agent import __version__
+from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.delivery.pipeline import BatchPolicy, build_pipeline
 from gpuid_agent.model import GpuSample, NodeInventory
-from gpuid_agent.server import build_app
-from gpuid_agent.sinks import gpu_metrics
-from gpuid_agent.sinks.allocations import AllocationTrail, TrailIdentity
-from gpuid_agent.sinks.exporters.base import Exporter
-from gpuid_agent.sinks.health_records import HealthPublisher, health_records
-from gpuid_agent.sinks.labels.service import NodeLabelling
-from gpuid_agent.sinks.node_conditions import NodeConditionWriter
-from gpuid_agent.sinks.pipeline import BatchPolicy, build_pipeline
-from gpuid_agent.sinks.records import ReadingEmitter
-from gpuid_agent.sources.health_nvml import HealthReader
-from gpuid_agent.sources.health_signals import GpuHealthSignals, XidEvent
-from gpuid_agent.sources.machine import local_machine_id
-from gpuid_agent.sources.nvml import NvmlReading, NvmlSource, with_health_fields
-from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
-from gpuid_agent.sources.podresources import (
+from gpuid_agent.node.conditions import NodeConditionWriter
+from gpuid_agent.node.labels.service import NodeLabelling
+from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.health import HealthPublisher, health_records
+from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.errors import NvmlUnavailableError
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.runtime.supervisor import Supervisor
+from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.serving.app import build_app
+from gpuid_agent.sources.kube.pods import PodCache
+from gpuid_agent.sources.kubelet import (
     PodResourcesClient,
     PodResourcesSource,
     ResourceMatcher,
 )
-from gpuid_agent.sources.pods import PodCache
-from gpuid_agent.sources.xid_watcher import XidWatcher
-from gpuid_agent.status import StatusBoard
-from gpuid_agent.supervisor import Supervisor
+from gpuid_agent.sources.machine import local_machine_id
+from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.reader import NvmlReading, NvmlSource, with_health_fields
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.sources.nvml.xid import XidWatcher
+from gpuid_agent.state.attribution import Attribution, count_allocatable_gpus
+from gpuid_agent.state.attribution.service import Attributor
+from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.inventory import build_inventory
 
 _log = log.get("agent")
 NVML_BACKOFF_MAX = 300.0
@@ -69,19 +70,19 @@ def make_exporters(settings: Settings) -> list[Exporter]:
     exporters: list[Exporter] = []
     for name in settings.exporter_type:
         if name == "stdout":
-            from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+            from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 
             exporters.append(StdoutExporter())
         elif name == "http":
-            from gpuid_agent.sinks.exporters.http import HttpExporter
+            from gpuid_agent.delivery.exporters.http import HttpExporter
 
             exporters.append(HttpExporter.from_settings(settings))
         elif name == "postgres":
-            from gpuid_agent.sinks.exporters.postgres import PostgresExporter
+            from gpuid_agent.delivery.exporters.postgres import PostgresExporter
 
             exporters.append(PostgresExporter.from_settings(settings))
         elif name == "s3":
-            from gpuid_agent.sinks.exporters.s3 import S3Exporter
+            from gpuid_agent.delivery.exporters.s3 import S3Exporter
 
             exporters.append(S3Exporter.from_settings(settings))
         else:  # pragma: no cover - config validation admits only the names above

@@ -17,9 +17,10 @@ from typing import Any
 import orjson
 from pydantic_settings import NoDecode
 
-from gpuid_agent import __version__, log
-from gpuid_agent.config import Settings, load_settings
-from gpuid_agent.errors import ConfigError, NvmlUnavailableError
+from gpuid_agent import __version__
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings, load_settings
+from gpuid_agent.runtime.errors import ConfigError, NvmlUnavailableError
 
 EXIT_CONFIG = 2
 EXIT_NVML = 3
@@ -80,7 +81,7 @@ def _run(settings: Settings) -> int:
 
 def _inventory(settings: Settings, as_json: bool) -> int:
     from gpuid_agent.agent import make_nvml_api
-    from gpuid_agent.sources.nvml import NvmlSource
+    from gpuid_agent.sources.nvml.reader import NvmlSource
 
     async def read() -> Any:
         source = NvmlSource(make_nvml_api(settings))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.config import Settings, load_settings
+from gpuid_agent.runtime.config import Settings, load_settings
 
 # The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
 pytest_plugins = ["tests.servers.fixtures"]

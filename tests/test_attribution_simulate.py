@@ -11,7 +11,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from tests.conftest import eventually, running_agent, settings
 from tests.test_attribution_agent import rendered_with_pods
 

@@ -12,19 +12,19 @@ import orjson
 import pytest
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.attribution import attribute
-from gpuid_agent.inventory import build_inventory
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.sinks.allocations import (
+from gpuid_agent.records.allocations import (
     STATE_FILE,
     AllocationTrail,
     TrailIdentity,
     allocation_record_id,
 )
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.nvml_api import PynvmlApi
-from gpuid_agent.sources.podresources import DeviceAssignment, PodResourcesSnapshot
-from gpuid_agent.sources.pods import PodMeta
+from gpuid_agent.sources.kube.pods import PodMeta
+from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
+from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.state.attribution import attribute
+from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakekubelet import FakeKubelet, pod

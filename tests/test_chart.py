@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import gpuid_agent
-from gpuid_agent.config import Settings, env_name, load_settings
+from gpuid_agent.runtime.config import Settings, env_name, load_settings
 from tests.chart_render import (
     ADMISSION_POLICY,
     CHART,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks import gpu_metrics
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.serving import gpu_metrics
 from tests.chart_render import (
     CHART,
     PROMETHEUS_OPERATOR,

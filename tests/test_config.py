@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.config import load_settings, parse_duration
-from gpuid_agent.errors import ConfigError
+from gpuid_agent.runtime.config import load_settings, parse_duration
+from gpuid_agent.runtime.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_postgres_table_must_be_an_identifier(table: str) -> None:
 
 
 def test_simulation_profiles_match_the_simulator() -> None:
-    from gpuid_agent.config import SIMULATION_PROFILES
+    from gpuid_agent.runtime.config import SIMULATION_PROFILES
     from gpuid_agent.simulate.profiles import PROFILES
 
     assert set(SIMULATION_PROFILES) == set(PROFILES)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gpuid_agent import docs
-from gpuid_agent.config import Settings, env_name
-from gpuid_agent.metrics import AgentMetrics
+from gpuid_agent.runtime.config import Settings, env_name
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.profiles import PROFILES
-from gpuid_agent.sinks import gpu_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -74,7 +74,7 @@ def test_check_mode_finds_stale_and_missing_pages(
 
 
 def test_durations_are_shown_as_the_environment_accepts_them() -> None:
-    from gpuid_agent.config import parse_duration
+    from gpuid_agent.runtime.config import parse_duration
 
     for seconds in (0.25, 2.0, 30.0, 90.0, 600.0, 3600.0, 5400.0, 86400.0):
         assert parse_duration(docs.format_seconds(seconds)) == seconds

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import asyncpg
 
-from gpuid_agent.sinks.exporters.postgres import PostgresExporter, Tables
+from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from tests.exporter_support import BASE_TIME, allocation, readings
 from tests.servers.postgres import PostgresCluster
 

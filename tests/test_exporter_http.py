@@ -15,17 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent import __version__
-from gpuid_agent.errors import ExportError
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.http import (
+from gpuid_agent.delivery.exporters.http import (
     EXCERPT_CHARS,
     RETRY_AFTER_CAP,
     HttpExporter,
     excerpt,
     parse_retry_after,
 )
-from gpuid_agent.sinks.exporters.spool import DiskSpool
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Outcome
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
+from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import eventually, readings
 from tests.servers.receiver import Receiver, Reply
 from tests.servers.tls import make_ca_and_server

@@ -16,13 +16,13 @@ import asyncpg
 import pytest
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.config import Settings
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.base import Exporter
-from gpuid_agent.sinks.exporters.http import HttpExporter
-from gpuid_agent.sinks.exporters.postgres import PostgresExporter, Tables
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sinks.pipeline import BatchPolicy, Pipeline, build_pipeline
+from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.delivery.exporters.http import HttpExporter
+from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.delivery.pipeline import BatchPolicy, Pipeline, build_pipeline
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import eventually, readings
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
@@ -218,7 +218,7 @@ def test_unused_exporters_libraries_are_not_imported() -> None:
     script = """
 import sys
 from gpuid_agent.agent import make_exporters
-from gpuid_agent.config import Settings
+from gpuid_agent.runtime.config import Settings
 chosen = sys.argv[1]
 extra = {"http": {"http_endpoint": "http://127.0.0.1:1/x"}, "postgres": {"postgres_host": "h"},
          "s3": {"s3_bucket": "b"}, "stdout": {}}[chosen]

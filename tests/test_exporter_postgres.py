@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.errors import ExportError
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.base import BatchMeta
-from gpuid_agent.sinks.exporters.postgres import PostgresExporter, Tables
-from gpuid_agent.sinks.exporters.postgres.rows import reading_row
-from gpuid_agent.sinks.exporters.spool import DiskSpool
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.exporters.base import BatchMeta
+from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
+from gpuid_agent.delivery.exporters.postgres.rows import reading_row
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import BASE_TIME, allocation, eventually, readings
 from tests.servers.postgres import PostgresCluster
 

@@ -17,12 +17,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.errors import ExportError
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.base import BatchMeta
-from gpuid_agent.sinks.exporters.s3 import CSV_COLUMNS, S3Exporter, key_part, partition, to_csv
-from gpuid_agent.sinks.exporters.spool import DiskSpool
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.exporters.base import BatchMeta
+from gpuid_agent.delivery.exporters.s3 import CSV_COLUMNS, S3Exporter, key_part, partition, to_csv
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import allocation, eventually, readings
 from tests.servers.s3 import MotoServer
 

@@ -17,16 +17,16 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.attribution import attribute
-from gpuid_agent.inventory import build_inventory
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sinks import gpu_metrics
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.nvml import NvmlReader, NvmlSource
-from gpuid_agent.sources.nvml_api import NvmlApi, PynvmlApi
-from gpuid_agent.sources.podresources import DeviceAssignment, PodResourcesSnapshot
-from gpuid_agent.sources.pods import PodMeta
+from gpuid_agent.sources.kube.pods import PodMeta
+from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
+from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.nvml.reader import NvmlReader, NvmlSource
+from gpuid_agent.state.attribution import attribute
+from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml
 from tests.conftest import eventually, running_agent
 from tests.conftest import settings as agent_settings

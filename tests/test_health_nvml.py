@@ -14,12 +14,12 @@ import pynvml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.health.tracker import HealthTracker
-from gpuid_agent.sinks import gpu_metrics
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.health_nvml import HealthReader
-from gpuid_agent.sources.nvml import NvmlSource
-from gpuid_agent.sources.nvml_api import PynvmlApi
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.reader import NvmlSource
+from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml

@@ -8,21 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.fault_spec import FAULT_KINDS, Fault, parse_fault, parse_faults
-from gpuid_agent.health import checks
-from gpuid_agent.health.clocks import MASK_64, REASON_BITS, decode_clock_reasons, unknown_bits
-from gpuid_agent.health.fabric import decode_health_mask, fabric_verdict
-from gpuid_agent.health.model import ACTIONS, CHECK_STATES, GPU_CHECKS
-from gpuid_agent.health.tracker import HealthTracker
-from gpuid_agent.health.xid import CRITICAL_XIDS, XID_TABLE, classify_xid
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.sources.health_signals import (
+from gpuid_agent.runtime.fault_spec import FAULT_KINDS, Fault, parse_fault, parse_faults
+from gpuid_agent.sources.nvml.signals import (
     EccCounts,
     FabricInfo,
     GpuHealthSignals,
     RemappedRows,
     XidEvent,
 )
+from gpuid_agent.state.health import checks
+from gpuid_agent.state.health.clocks import MASK_64, REASON_BITS, decode_clock_reasons, unknown_bits
+from gpuid_agent.state.health.fabric import decode_health_mask, fabric_verdict
+from gpuid_agent.state.health.model import ACTIONS, CHECK_STATES, GPU_CHECKS
+from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.xid import CRITICAL_XIDS, XID_TABLE, classify_xid
 
 hostile_values = st.one_of(
     st.integers(),
@@ -537,9 +537,9 @@ def test_fault_specs() -> None:
 
 
 def test_health_records_have_the_reading_envelope_and_a_stable_id() -> None:
-    from gpuid_agent.inventory import build_inventory
     from gpuid_agent.model import PlatformInfo
-    from gpuid_agent.sinks.health_records import health_records
+    from gpuid_agent.records.health import health_records
+    from gpuid_agent.state.inventory import build_inventory
 
     clock = Clock()
     tracker = _tracker(clock)

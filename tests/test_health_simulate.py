@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.errors import ConfigError
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
 from tests.conftest import eventually, running_agent, settings
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]

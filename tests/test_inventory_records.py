@@ -4,10 +4,10 @@ import asyncio
 import dataclasses
 from datetime import UTC, datetime
 
-from gpuid_agent.inventory import build_inventory, diff
 from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.records.readings import ReadingEmitter, Record, reading_records, record_id
 from gpuid_agent.simulate.profiles import gb200x4, h100x8
-from gpuid_agent.sinks.records import ReadingEmitter, Record, reading_records, record_id
+from gpuid_agent.state.inventory import build_inventory, diff
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
 

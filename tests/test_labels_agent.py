@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.sinks.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter, Record
 from tests.conftest import eventually, running_agent, settings
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 

@@ -10,16 +10,16 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.inventory import build_inventory
 from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
-from gpuid_agent.sinks.labels.layout import (
+from gpuid_agent.node.labels.layout import (
     desired_labels,
     desired_state,
     detail_annotation,
     is_own_label,
 )
-from gpuid_agent.sinks.labels.reconciler import NodeSnapshot, plan_patch
-from gpuid_agent.sinks.labels.values import is_valid_label_value, label_value
+from gpuid_agent.node.labels.reconciler import NodeSnapshot, plan_patch
+from gpuid_agent.node.labels.values import is_valid_label_value, label_value
+from gpuid_agent.state.inventory import build_inventory
 from tests.fakekube.resources import validate_metadata
 
 P = "gpuid.github.com"

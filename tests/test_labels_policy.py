@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpuid_agent.sinks.labels.policy import (
+from gpuid_agent.node.labels.policy import (
     MAX_RETRY_AFTER,
     Backoff,
     classify,
     parse_retry_after,
 )
-from gpuid_agent.sources.kube_client import describe_request
+from gpuid_agent.sources.kube.client import describe_request
 from tests.fakekube import status_body
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.labels import NodeLabeler, NodeSnapshot
-from gpuid_agent.sources.kube_client import KubeClient, create_kube_client, request_counter
-from gpuid_agent.status import StatusBoard
+from gpuid_agent.node.labels import NodeLabeler, NodeSnapshot
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, request_counter
 from tests.conftest import eventually
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 from tests.test_labels_layout import gb200, gpu, h100, inventory

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.inventory import diff
 from gpuid_agent.model import PlatformInfo
-from gpuid_agent.sinks.records import ReadingEmitter
+from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 from gpuid_agent.sources.machine import resolve_machine
-from gpuid_agent.sources.provider_id import machine_from_provider_id
+from gpuid_agent.state.inventory import diff
 from tests.test_labels_layout import gb200, inventory
 
 AZURE = (

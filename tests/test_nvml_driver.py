@@ -10,11 +10,11 @@ import aiohttp
 import pytest
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.errors import NvmlUnavailableError
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.runtime.errors import NvmlUnavailableError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.nvml import NvmlSource
-from gpuid_agent.sources.nvml_api import PynvmlApi
+from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.reader import NvmlSource
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml

@@ -8,11 +8,17 @@ from collections.abc import Sequence
 import orjson
 import pytest
 
-from gpuid_agent.errors import ExportError
-from gpuid_agent.metrics import AgentMetrics
-from gpuid_agent.sinks.exporters.base import Exporter, Record
-from gpuid_agent.sinks.exporters.stdout import StdoutExporter
-from gpuid_agent.sinks.pipeline import BatchPolicy, ExporterWorker, Outcome, Pipeline, backoff_delay
+from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.delivery.pipeline import (
+    BatchPolicy,
+    ExporterWorker,
+    Outcome,
+    Pipeline,
+    backoff_delay,
+)
+from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.metrics import AgentMetrics
 
 
 def _records(n: int) -> list[Record]:

@@ -9,17 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.attribution import DeviceIndex, attribute
-from gpuid_agent.inventory import build_inventory
 from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
-from gpuid_agent.sources.podresources import (
+from gpuid_agent.sources.kubelet import (
     DeviceAssignment,
     DeviceIdError,
     PodResourcesSnapshot,
     ResourceMatcher,
     parse_device_id,
 )
-from gpuid_agent.sources.podresources.devices import MAX_DEVICE_ID
+from gpuid_agent.sources.kubelet.devices import MAX_DEVICE_ID
+from gpuid_agent.state.attribution import DeviceIndex, attribute
+from gpuid_agent.state.inventory import build_inventory
 
 UUID0 = "GPU-2b7f5b8e-4c1a-4d6e-9a3b-1f2e3d4c5b6a"
 UUID1 = "GPU-9c0d1e2f-3a4b-4c5d-8e6f-7a8b9c0d1e2f"

@@ -11,14 +11,14 @@ import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuid_agent.metrics import AttributionMetrics
-from gpuid_agent.sources.podresources import (
+from gpuid_agent.runtime.metrics import AttributionMetrics
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kubelet import (
     PodResourcesClient,
     PodResourcesSource,
     ResourceMatcher,
 )
-from gpuid_agent.sources.podresources.v1 import api_pb2
-from gpuid_agent.status import StatusBoard
+from gpuid_agent.sources.kubelet.v1 import api_pb2
 from tests.conftest import eventually
 from tests.fakekubelet import FakeKubelet, KubeletContainer, KubeletPod, pod
 

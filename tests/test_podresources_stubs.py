@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-V1 = Path("gpuid_agent/sources/podresources/v1")
+V1 = Path("gpuid_agent/sources/kubelet/v1")
 GENERATED = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 
 
@@ -19,7 +19,7 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     grpc_tools = pytest.importorskip("grpc_tools", reason="grpcio-tools is in the test extra")
     from importlib.metadata import version
 
-    from gpuid_agent.sources.podresources.v1 import api_pb2_grpc
+    from gpuid_agent.sources.kubelet.v1 import api_pb2_grpc
 
     tools = version("grpcio-tools")
     if tools != api_pb2_grpc.GRPC_GENERATED_VERSION:
@@ -71,8 +71,8 @@ def test_stubs_import_from_an_installed_wheel(tmp_path: Path) -> None:
         capture_output=True,
     )
     probe = (
-        "import gpuid_agent, gpuid_agent.sources.podresources as p;"
-        "from gpuid_agent.sources.podresources.v1 import api_pb2, api_pb2_grpc;"
+        "import gpuid_agent, gpuid_agent.sources.kubelet as p;"
+        "from gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc;"
         "assert gpuid_agent.__file__.startswith(sys.argv[1]), gpuid_agent.__file__;"
         "assert api_pb2_grpc.PodResourcesListerStub and p.PodResourcesClient;"
         "print(api_pb2.DESCRIPTOR.package)"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.sinks.exporters.spool import CorruptBatchError, DiskSpool, MemoryBatches
+from gpuid_agent.delivery.spool import CorruptBatchError, DiskSpool, MemoryBatches
 from tests.exporter_support import readings
 
 

@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from gpuid_agent.simulate.profiles import SimGpu
-from gpuid_agent.sources.podresources.v1 import api_pb2, api_pb2_grpc
+from gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc
 
 Devices = tuple[tuple[str, tuple[str, ...]], ...]  # (resource name, device ids) per request
 

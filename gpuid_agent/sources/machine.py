@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gpuid_agent.sources.provider_id import machine_from_provider_id
+from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 
 _UUIDISH = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._:-]{0,127}$")
 

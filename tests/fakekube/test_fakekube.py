@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpuid_agent.sources.kube_client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from tests.fakekube import (
     FakeKube,
     ThreadedFakeKube,
@@ -427,7 +427,7 @@ async def test_kube_client_sources(tmp_path: Path) -> None:
 
 
 async def test_kube_client_rejects_broken_kubeconfig(tmp_path: Path) -> None:
-    from gpuid_agent.sources.kube_client import KubeConfigError
+    from gpuid_agent.sources.kube.client import KubeConfigError
 
     bad = tmp_path / "kc"
     bad.write_text("clusters: [not: a: valid")

@@ -1,0 +1,79 @@
+"""The exporter interface every sink implements, and helpers they share."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import orjson
+
+Record = dict[str, Any]
+ExporterState = Literal["ok", "degraded", "unavailable"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMeta:
+    """Identity of one batch; it lives in the spool, so retries and restarts reuse it."""
+
+    batch_id: str
+    created: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @classmethod
+    def new(cls) -> BatchMeta:
+        return cls(uuid.uuid4().hex)
+
+
+@dataclass(frozen=True, slots=True)
+class ExporterHealth:
+    """`ok` False with `losing` False: failing but holding its records (degraded);
+    `losing` True: failing and dropping records (unavailable)."""
+
+    ok: bool
+    reason: str | None = None
+    losing: bool = False
+
+    @property
+    def state(self) -> ExporterState:
+        if self.ok:
+            return "ok"
+        return "unavailable" if self.losing else "degraded"
+
+
+class Exporter(ABC):
+    """Delivers batches to one sink.
+
+    `export` raises `gpuid_agent.runtime.errors.ExportError` on failure; `retryable=False` means the
+    sink rejected the batch's content and re-sending it cannot help. `meta` identifies the
+    batch (idempotency keys, object names); exporters make one up when called without it.
+    """
+
+    name: str
+
+    @abstractmethod
+    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None: ...
+
+    async def health(self) -> ExporterHealth:
+        return ExporterHealth(ok=True)
+
+    async def close(self) -> None:
+        return None
+
+
+def json_bytes(value: Any) -> bytes:
+    """JSON of records; strings orjson refuses (lone surrogates) go through ASCII escapes."""
+    try:
+        return orjson.dumps(value, default=str)
+    except TypeError:
+        return json.dumps(value, default=str, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def gpuid_shape(record: Record) -> Record:
+    """A reading as gpuid's receivers expect it: its `time` field beside our `read_time`."""
+    if record.get("kind") == "reading" and "time" not in record and "read_time" in record:
+        return {**record, "time": record["read_time"]}
+    return record

@@ -1,0 +1,206 @@
+"""POST each batch as a JSON array (gpuid's body shape plus our fields) with aiohttp.
+
+Connection errors, timeouts, 408, 429 and 5xx are retryable (the worker backs off, honouring
+Retry-After); any other non-2xx status means the receiver refused the content, so the batch is
+set aside instead of being sent again and again. Every request of a batch carries the same
+Idempotency-Key, so a receiver can drop a batch it already stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import re
+import ssl
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from gpuid_agent import __version__
+from gpuid_agent.delivery.exporters.base import (
+    BatchMeta,
+    Exporter,
+    ExporterHealth,
+    Record,
+    gpuid_shape,
+    json_bytes,
+)
+from gpuid_agent.runtime.errors import ExportError
+
+if TYPE_CHECKING:
+    from gpuid_agent.runtime.config import Settings
+
+USER_AGENT = f"gpuid-agent/{__version__}"
+EXCERPT_CHARS = 200
+RETRY_AFTER_CAP = 300.0
+_GZIP_IN_THREAD = 256 * 1024  # compress bigger bodies off the event loop
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta-seconds or HTTP-date), clamped to
+    [0, RETRY_AFTER_CAP]; None when absent or unreadable."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text:
+        return None
+    seconds: float | None = None
+    if text.isascii() and text.isdigit():
+        seconds = float(int(text[:12]))
+    else:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - (now or datetime.now(UTC))).total_seconds()
+    return min(max(seconds, 0.0), RETRY_AFTER_CAP)
+
+
+def excerpt(text: str, *secrets: str) -> str:
+    """A short single-line piece of a response body, safe to log."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    text = _CONTROL.sub(" ", text).strip()
+    return text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
+
+
+class TokenSource:
+    """The bearer token: fixed, or read from a file and re-read whenever the file changes
+    (a rotated Kubernetes Secret is swapped in by a symlink, which changes what stat sees)."""
+
+    def __init__(self, token: str = "", path: str = "") -> None:
+        self._fixed = token.strip()
+        self._path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._token = ""
+
+    def get(self) -> str:
+        if not self._path:
+            return self._fixed
+        try:
+            st = os.stat(self._path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key != self._seen:
+                with open(self._path, encoding="utf-8", errors="replace") as fh:
+                    self._token = fh.read().strip()
+                self._seen = key
+        except OSError as exc:
+            raise ExportError(
+                f"token file {self._path} unreadable: {exc.strerror}", error_type="auth"
+            ) from exc
+        return self._token
+
+
+class HttpExporter(Exporter):
+    name = "http"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float = 30.0,
+        token: str = "",
+        token_file: str = "",
+        gzip_body: bool = False,
+        ca_bundle: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.gzip_body = gzip_body
+        self.ca_bundle = ca_bundle
+        self._tokens = TokenSource(token, token_file)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HttpExporter:
+        return cls(
+            settings.http_endpoint,
+            timeout=settings.http_timeout,
+            token=settings.http_auth_token.get_secret_value(),
+            token_file=settings.http_auth_token_file,
+            gzip_body=settings.http_gzip,
+            ca_bundle=settings.http_ca_bundle,
+        )
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            ssl_context: ssl.SSLContext | bool = True
+            if self.ca_bundle:
+                ssl_context = ssl.create_default_context(cafile=self.ca_bundle)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=ssl_context, limit=4),
+                headers={"User-Agent": USER_AGENT},
+            )
+        return self._session
+
+    async def _body(self, batch: Sequence[Record]) -> bytes:
+        body = json_bytes([gpuid_shape(r) for r in batch])
+        if not self.gzip_body:
+            return body
+        if len(body) > _GZIP_IN_THREAD:
+            return await asyncio.to_thread(gzip.compress, body, 6)
+        return gzip.compress(body, 6)
+
+    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+        meta = meta or BatchMeta.new()
+        token = self._tokens.get()
+        headers = {
+            "Content-Type": "application/json",
+            "Idempotency-Key": meta.batch_id,
+            "X-Records-Count": str(len(batch)),
+            "X-Batch-Created": meta.created.isoformat(),
+        }
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if self.gzip_body:
+            headers["Content-Encoding"] = "gzip"
+        body = await self._body(batch)
+        try:
+            async with self._client().post(
+                self.endpoint,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                allow_redirects=False,  # a redirected POST would silently become a GET
+            ) as response:
+                status = response.status
+                if 200 <= status < 300:
+                    await response.read()
+                    return
+                text = excerpt(await response.text(errors="replace"), token)
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        except ExportError:
+            raise
+        except aiohttp.ClientSSLError as exc:
+            raise ExportError(f"TLS error: {exc}", error_type="tls") from exc
+        except TimeoutError as exc:
+            raise ExportError(f"no answer within {self.timeout}s", error_type="timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ExportError(f"connection failed: {exc}", error_type="connection") from exc
+        message = f"HTTP {status}: {text}" if text else f"HTTP {status}"
+        retryable = status in (408, 425, 429) or status >= 500 or 300 <= status < 400
+        raise ExportError(
+            message, error_type=f"http_{status}", retryable=retryable, retry_after=retry_after
+        )
+
+    async def health(self) -> ExporterHealth:
+        # No probe request: an ingest endpoint need not answer GET or HEAD. The worker's
+        # delivery results are this exporter's health; here only the token is checked.
+        try:
+            self._tokens.get()
+        except ExportError as exc:
+            return ExporterHealth(ok=False, reason=str(exc))
+        return ExporterHealth(ok=True)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

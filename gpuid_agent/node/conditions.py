@@ -1,0 +1,204 @@
+"""Node conditions for unhealthy GPU checks (NODE_CONDITIONS=true; needs nodes/status RBAC).
+
+One condition type per check that can be unhealthy; it is True while at least one GPU (or the
+node, for the GPU count) is unhealthy on that check, naming them in its message. Degraded states
+stay on /status, metrics and records: a condition is for what should keep work off the node.
+
+A condition is written only when it changes, with a strategic-merge patch of nodes/<name>/status
+(merged by type, so other controllers' conditions are untouched). A condition type this agent
+never set True is not written at all; one left True by an earlier run is set False once the
+agent sees the check healthy, so a reboot that fixed the GPU also clears the condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import KubeClient, KubeConfigError, create_kube_client
+from gpuid_agent.state.health.model import NodeHealth
+
+_log = log.get("node_conditions")
+
+CONDITION_TYPES: Mapping[str, str] = {
+    "lost": "GpuLost",
+    "xid": "GpuXidError",
+    "ecc": "GpuEccError",
+    "remapped_rows": "GpuRowRemapping",
+    "fabric": "GpuFabricUnhealthy",
+    "gpu_count": "GpuCountLow",
+}
+_REASONS = {
+    "none": "GpuUnhealthy",
+    "check_workload": "GpuCheckWorkload",
+    "reboot": "GpuRebootSuggested",
+    "hardware_inspection": "GpuHardwareInspectionSuggested",
+}
+_HEALTHY = "GpuHealthy"
+MESSAGE_LIMIT = 1024
+COMPONENT = "node-conditions"
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    status: str  # "True" / "False"
+    reason: str
+    message: str
+
+
+def desired_conditions(health: NodeHealth) -> dict[str, Condition]:
+    """Every condition type's wanted value for this snapshot."""
+    problems: dict[str, list[tuple[str, str, str]]] = {t: [] for t in CONDITION_TYPES.values()}
+    for gpu in health.gpus:
+        for check, status in gpu.checks.items():
+            kind = CONDITION_TYPES.get(check)
+            if kind and status.state == "unhealthy":
+                where = f"GPU {gpu.index} ({gpu.uuid})"
+                problems[kind].append((where, status.reason or "unhealthy", status.action))
+    for check, status in health.node_checks.items():
+        kind = CONDITION_TYPES.get(check)
+        if kind and status.state == "unhealthy":
+            problems[kind].append(("node", status.reason or "unhealthy", status.action))
+    wanted = {}
+    for kind, found in problems.items():
+        if not found:
+            wanted[kind] = Condition("False", _HEALTHY, "no GPU is unhealthy on this check")
+            continue
+        ranks = list(_REASONS)
+        action = max((a for _, _, a in found), key=ranks.index)
+        message = "; ".join(f"{where}: {why}" for where, why, _ in found)
+        if len(message) > MESSAGE_LIMIT:
+            message = message[: MESSAGE_LIMIT - 1] + "…"
+        wanted[kind] = Condition("True", _REASONS.get(action, "GpuUnhealthy"), message)
+    return wanted
+
+
+def _rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class NodeConditionWriter:
+    def __init__(
+        self, node: str, board: StatusBoard, *, kube_api: str = "auto", timeout: float = 10.0
+    ) -> None:
+        self.node = node
+        self._board = board
+        self._mode = kube_api
+        self._timeout = timeout
+        self._client: KubeClient | None = None
+        self._owns_client = True
+        self._latest: NodeHealth | None = None
+        self._wake = asyncio.Event()
+        # what the Node carries for our types: status and lastTransitionTime; None: not read
+        self._on_node: dict[str, tuple[Condition, str]] | None = None
+        self.writes = 0
+
+    async def open(self, shared: KubeClient | None = None) -> bool:
+        """Use the agent's API client (`shared`, not closed here) or find one; False (and the
+        reason on /status) when there is none."""
+        self._owns_client = shared is None
+        try:
+            self._client = shared or await create_kube_client(self._mode)
+        except KubeConfigError as exc:
+            self._board.set(COMPONENT, "unavailable", str(exc))
+            return False
+        if self._client is None:
+            self._board.set(COMPONENT, "unavailable", "no Kubernetes API configuration found")
+            return False
+        self._board.set(COMPONENT, "starting")
+        return True
+
+    async def close(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.close()
+        self._client = None
+
+    def offer(self, health: NodeHealth) -> None:
+        self._latest = health
+        self._wake.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._sync()
+            except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+                failures += 1
+                reason = _describe(exc)
+                self._board.set(COMPONENT, "degraded", reason)
+                delay = random.uniform(0, min(60.0, 0.5 * 2**failures))
+                await asyncio.sleep(delay)
+                self._wake.set()  # try again with whatever is latest by then
+                continue
+            failures = 0
+            self._board.set(COMPONENT, "ok")
+
+    async def _sync(self) -> None:
+        health = self._latest
+        if health is None or self._client is None:
+            return
+        core = k8s_client.CoreV1Api(self._client.api)
+        if self._on_node is None:
+            node = await core.read_node(self.node, _request_timeout=self._timeout)
+            self._on_node = {
+                c.type: (Condition(c.status, c.reason or "", c.message or ""), _time(c))
+                for c in (node.status.conditions or [])
+                if c.type in CONDITION_TYPES.values()
+            }
+        now = _rfc3339(datetime.now(UTC))
+        patch = []
+        changed: dict[str, tuple[Condition, str]] = {}
+        for kind, want in desired_conditions(health).items():
+            have = self._on_node.get(kind)
+            if have is None and want.status == "False":
+                continue  # never raised: nothing to say
+            if have is not None and have[0] == want:
+                continue
+            since = have[1] if have is not None and have[0].status == want.status else now
+            patch.append(
+                {
+                    "type": kind,
+                    "status": want.status,
+                    "reason": want.reason,
+                    "message": want.message,
+                    "lastTransitionTime": since,
+                    "lastHeartbeatTime": now,
+                }
+            )
+            changed[kind] = (want, since)
+        if not patch:
+            return
+        await core.patch_node_status(
+            self.node, {"status": {"conditions": patch}}, _request_timeout=self._timeout
+        )
+        self._on_node.update(changed)
+        self.writes += 1
+        _log.info(
+            "node conditions written",
+            extra={"conditions": {c["type"]: c["status"] for c in patch}},
+        )
+
+
+def _time(condition: Any) -> str:
+    moment = getattr(condition, "last_transition_time", None)
+    if isinstance(moment, datetime):
+        return _rfc3339(moment)
+    return str(moment) if moment else _rfc3339(datetime.now(UTC))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"Node status update failed: {exc.status} {exc.reason}"
+    return f"Node status update failed: {type(exc).__name__}: {exc}"

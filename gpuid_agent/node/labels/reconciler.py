@@ -1,0 +1,270 @@
+"""Keep the agent's own Node labelled: read it, diff against the inventory, patch only the
+difference, and re-check on a resync period so drift (a label someone removed or edited) is
+repaired.
+
+Only labels matching our layout under our prefix (and our one annotation) are ever written or
+removed; every other label on the Node is left exactly as it is. Patches carry the
+resourceVersion that was read, so a Node changed in between is re-read instead of overwritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes_asyncio import client as k8s_client
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.node.labels.layout import (
+    DesiredState,
+    annotation_key,
+    desired_state,
+    is_own_label,
+)
+from gpuid_agent.node.labels.metrics import LabelMetrics
+from gpuid_agent.node.labels.policy import Backoff, Failure, classify
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.status import StatusBoard
+
+_log = log.get("labels")
+COMPONENT = "labels"
+_HINTS = {
+    "forbidden": "the service account needs get and patch on nodes",
+    "unauthorized": "the service account token was refused",
+    "not_found": "NODE_NAME must be this Node's name (downward API spec.nodeName)",
+    "invalid": "the API server rejected a label or annotation value",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """What the labeller needs from the Node it read."""
+
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    resource_version: str | None
+    provider_id: str
+
+
+def snapshot_of(node: Any) -> NodeSnapshot:
+    meta = getattr(node, "metadata", None)
+    spec = getattr(node, "spec", None)
+    return NodeSnapshot(
+        labels=dict(getattr(meta, "labels", None) or {}),
+        annotations=dict(getattr(meta, "annotations", None) or {}),
+        resource_version=getattr(meta, "resource_version", None),
+        provider_id=str(getattr(spec, "provider_id", None) or ""),
+    )
+
+
+def plan_patch(node: NodeSnapshot, desired: DesiredState, prefix: str) -> dict[str, Any] | None:
+    """The strategic-merge patch that makes `node` match `desired` (None: nothing to do).
+
+    A `null` value removes a key. resourceVersion makes the patch fail with 409 if the Node
+    changed since it was read.
+    """
+    labels: dict[str, str | None] = {
+        k: v for k, v in desired.labels.items() if node.labels.get(k) != v
+    }
+    labels.update(
+        {k: None for k in node.labels if is_own_label(k, prefix) and k not in desired.labels}
+    )
+    annotations: dict[str, str | None] = {}
+    key = annotation_key(prefix)
+    if desired.annotation is None:
+        if key in node.annotations:
+            annotations[key] = None
+    elif node.annotations.get(key) != desired.annotation:
+        annotations[key] = desired.annotation
+    if not labels and not annotations:
+        return None
+    meta: dict[str, Any] = {}
+    if node.resource_version:
+        meta["resourceVersion"] = node.resource_version
+    if labels:
+        meta["labels"] = dict(sorted(labels.items()))
+    if annotations:
+        meta["annotations"] = annotations
+    return {"metadata": meta}
+
+
+class NodeLabeler:
+    """The reconcile loop; `offer` feeds it inventories, `run` is the supervised task."""
+
+    def __init__(
+        self,
+        api: Any,  # kubernetes_asyncio ApiClient
+        node: str,
+        *,
+        prefix: str,
+        metrics: LabelMetrics,
+        board: StatusBoard,
+        mode: str = "on",
+        annotation: bool = True,
+        resync_interval: float = 600.0,
+        startup_jitter: float = 30.0,
+        debounce: float = 1.0,
+        request_timeout: float = 10.0,
+        backoff_base: float = 1.0,
+        backoff_cap: float = 300.0,
+        conflict_retries: int = 5,
+        on_node: Callable[[NodeSnapshot], None] | None = None,
+        rand: random.Random | None = None,
+    ) -> None:
+        self.node = node
+        self.prefix = prefix
+        self.metrics = metrics
+        self.board = board
+        self.dry_run = mode == "dry-run"
+        self.annotation = annotation
+        self.resync_interval = resync_interval
+        self.startup_jitter = startup_jitter
+        self.debounce = debounce
+        self.request_timeout = request_timeout
+        self.conflict_retries = conflict_retries
+        self.on_node = on_node
+        self._rand = rand or random.Random()
+        self._backoff = Backoff(backoff_base, backoff_cap, self._rand)
+        self._core = k8s_client.CoreV1Api(api)
+        self._desired: DesiredState | None = None
+        self._changed = asyncio.Event()
+        self._reported_rewrites: set[str] = set()
+        self._logged_dry_run: dict[str, Any] | None = None
+        self.last_failure: Failure | None = None
+        board.set(COMPONENT, "starting", "waiting for the first inventory")
+
+    # ---- input -----------------------------------------------------------------------------
+
+    def offer(self, inventory: NodeInventory) -> None:
+        """Take a new snapshot (never blocks); wakes the loop only if the labels change."""
+        desired = desired_state(inventory, self.prefix, annotation=self.annotation)
+        if desired == self._desired:
+            return
+        self._desired = desired
+        self.metrics.desired.set(len(desired.labels))
+        self.metrics.rewritten.set(len(desired.rewritten))
+        fresh = [s for s in desired.rewritten if s not in self._reported_rewrites]
+        if fresh:
+            self._reported_rewrites.update(fresh)
+            _log.warning(
+                "serials are not valid label values; labelled with a hashed form",
+                extra={"serials": [repr(s) for s in fresh]},
+            )
+        self._changed.set()
+
+    @property
+    def desired(self) -> DesiredState | None:
+        return self._desired
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        # Spread a DaemonSet rollout over thousands of nodes instead of hitting the API at once.
+        await asyncio.sleep(self._rand.uniform(0.0, self.startup_jitter))
+        await self._changed.wait()
+        while True:
+            self._changed.clear()
+            failure = await self.reconcile_once()
+            if failure is None:
+                self._backoff.reset()
+                if await self._wait_for_change(within=self.resync_interval):
+                    await asyncio.sleep(self.debounce)  # let a burst of changes settle
+            elif failure.retry == "resync":
+                self._backoff.reset()
+                await asyncio.sleep(self.resync_interval)
+            else:
+                await asyncio.sleep(self._delay(failure))
+
+    def _delay(self, failure: Failure) -> float:
+        if failure.retry_after:
+            self._backoff.failures += 1
+            return self._rand.uniform(failure.retry_after, failure.retry_after * 1.2)
+        return self._backoff.next()
+
+    async def _wait_for_change(self, *, within: float) -> bool:
+        try:
+            await asyncio.wait_for(self._changed.wait(), within)
+        except TimeoutError:
+            return False
+        return True
+
+    async def reconcile_once(self) -> Failure | None:
+        """One reconciliation (conflicts re-read and retried within it); None on success."""
+        desired = self._desired
+        if desired is None:
+            return None
+        self.metrics.attempts.inc()
+        for attempt in range(self.conflict_retries + 1):
+            try:
+                found = await self._core.read_node(self.node, _request_timeout=self.request_timeout)
+                node = snapshot_of(found)
+                if self.on_node is not None:
+                    self.on_node(node)
+                patch = plan_patch(node, desired, self.prefix)
+                if patch is not None and not self.dry_run:
+                    await self._core.patch_node(
+                        self.node, patch, _request_timeout=self.request_timeout
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every API or transport failure is classified
+                failure = classify(exc)
+                self.metrics.errors.labels(failure.reason).inc()
+                if failure.retry == "now" and attempt < self.conflict_retries:
+                    continue
+                if failure.retry == "now":
+                    failure = Failure("conflict", "backoff", "the Node kept changing under us")
+                self._failed(failure)
+                return failure
+            self._succeeded(patch)
+            return None
+        return None  # pragma: no cover - the loop always returns
+
+    def _succeeded(self, patch: dict[str, Any] | None) -> None:
+        self.last_failure = None
+        self.metrics.last_success.set(time.time())
+        if patch is None:
+            self.metrics.in_sync.set(1)
+            self.board.set(COMPONENT, "ok", "dry-run" if self.dry_run else None)
+            return
+        meta = patch["metadata"]
+        labels = meta.get("labels", {})
+        summary = {
+            "set": sorted(k for k, v in labels.items() if v is not None),
+            "removed": sorted(k for k, v in labels.items() if v is None),
+            "annotation": "annotations" in meta,
+        }
+        if self.dry_run:
+            self.metrics.in_sync.set(0)
+            self.metrics.patches.labels("dry_run").inc()
+            self.board.set(COMPONENT, "ok", "dry-run")
+            shown = {k: v for k, v in meta.items() if k != "resourceVersion"}
+            if shown != self._logged_dry_run:
+                self._logged_dry_run = shown
+                _log.info(
+                    "dry-run: would patch node",
+                    extra={"node": self.node, "patch": {"metadata": shown}},
+                )
+            return
+        self.metrics.in_sync.set(1)
+        self.metrics.patches.labels("applied").inc()
+        self.board.set(COMPONENT, "ok")
+        _log.info("node labels patched", extra={"node": self.node, **summary})
+
+    def _failed(self, failure: Failure) -> None:
+        self.last_failure = failure
+        self.metrics.in_sync.set(0)
+        reason = f"{failure.reason}: {failure.detail}"
+        if self.board.set(COMPONENT, "degraded", reason) and failure.reason in _HINTS:
+            _log.warning(
+                "labelling retried at the next resync",
+                extra={
+                    "node": self.node,
+                    "hint": _HINTS[failure.reason],
+                    "resync_seconds": self.resync_interval,
+                },
+            )

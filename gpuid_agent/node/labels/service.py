@@ -1,0 +1,122 @@
+"""Everything the agent does with its own Node: the API client, the machine identity from the
+Node's providerID, and the labeller task.
+
+At start the Node is read once (bounded by STARTUP_READ_TIMEOUT) so the first records already
+carry the cloud's machine id; if the API does not answer, the agent starts with the host's
+DMI/machine-id and switches when the labeller first reads the Node (a machine change, so new
+records). Labelling never blocks collection: it runs as its own supervised task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.node.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import (
+    KubeClient,
+    KubeConfigError,
+    create_kube_client,
+    read_provider_id,
+    request_counter,
+)
+from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
+
+_log = log.get("labels")
+STARTUP_READ_TIMEOUT = 3.0
+Spawn = Callable[[str, Coroutine[Any, Any, Any]], Any]
+MachineSink = Callable[[str, str], None]
+
+
+class NodeLabelling:
+    def __init__(
+        self,
+        settings: Settings,
+        node: str,
+        metrics: AgentMetrics,
+        board: StatusBoard,
+        on_machine: MachineSink,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self.board = board
+        self.metrics = metrics.labels
+        self._observer = request_counter(metrics.kube_api_requests)
+        self._on_machine = on_machine
+        self.kube: KubeClient | None = None
+        self.labeler: NodeLabeler | None = None
+        self._warned_provider_id: str | None = None
+
+    async def start(self, spawn: Spawn) -> None:
+        try:
+            self.kube = await create_kube_client(self.settings.kube_api, observer=self._observer)
+        except KubeConfigError as exc:
+            self.board.set("kube_api", "unavailable", str(exc))
+        if self.kube is None:
+            why = "KUBE_API=off" if self.settings.kube_api == "off" else "no Kubernetes API"
+            self.board.set(COMPONENT, "disabled", why)
+            return
+        self.board.set("kube_api", "ok", self.kube.source)
+        provider_id = await read_provider_id(self.kube, self.node, within=STARTUP_READ_TIMEOUT)
+        if provider_id is not None:
+            self.use_provider_id(provider_id)
+        if self.settings.labels == "off":
+            self.board.set(COMPONENT, "disabled", "LABELS=off")
+            return
+        self.labeler = NodeLabeler(
+            self.kube.api,
+            self.node,
+            prefix=self.settings.label_prefix,
+            metrics=self.metrics,
+            board=self.board,
+            mode=self.settings.labels,
+            annotation=self.settings.label_annotation,
+            resync_interval=self.settings.label_resync_interval,
+            startup_jitter=self.settings.label_startup_jitter,
+            debounce=min(1.0, self.settings.collect_interval),
+            on_node=self._seen,
+        )
+        spawn(COMPONENT, self.labeler.run())
+
+    def _seen(self, node: NodeSnapshot) -> None:
+        self.use_provider_id(node.provider_id)
+
+    def use_provider_id(self, provider_id: str) -> None:
+        found = machine_from_provider_id(provider_id)
+        if found is None:
+            if provider_id and provider_id != self._warned_provider_id:
+                self._warned_provider_id = provider_id
+                _log.warning(
+                    "providerID gives no usable machine id; using the host's",
+                    extra={"provider_id": provider_id[:300]},
+                )
+            return
+        machine, provider = found
+        self._on_machine(machine, f"provider_id:{provider}")
+
+    def offer(self, inventory: NodeInventory) -> None:
+        if self.labeler is not None:
+            self.labeler.offer(inventory)
+
+    def status(self) -> dict[str, Any]:
+        labeler = self.labeler
+        desired = labeler.desired if labeler is not None else None
+        return {
+            "mode": self.settings.labels if labeler is not None else "off",
+            "prefix": self.settings.label_prefix,
+            "api": self.kube.source if self.kube is not None else None,
+            "desired": dict(desired.labels) if desired is not None else None,
+            "rewritten_serials": [repr(s) for s in desired.rewritten] if desired else [],
+        }
+
+    async def close(self) -> None:
+        """Close the API client: the agent's one client, shared with the pod cache and the
+        Node conditions writer, which close after this."""
+        if self.kube is not None:
+            await self.kube.close()
+            self.kube = None

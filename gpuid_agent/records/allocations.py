@@ -1,0 +1,321 @@
+"""The allocation trail: a `kind=allocation` record when a container gets a GPU (or MIG device)
+and another when it lets go, through the same exporter pipeline as the readings.
+
+Ids are deterministic. `allocation_id` hashes what identifies the allocation (cluster, node,
+namespace, pod, pod UID when the API gives it, container, resource, device id), so an exporter
+can update one row when the end arrives, and an agent restart finds the same id again. The
+record id hashes (allocation_id, event): a start re-sent after a restart has the start's id.
+
+Restarts: open allocations are kept in `<STATE_DIR>/allocations.json`. After a restart the
+first good kubelet snapshot is compared with that file: what is still there stays open (no
+second start); what is gone ended while the agent was down and is closed with ended_at = the
+time the agent saw it gone, `end_observed: false` and `last_seen_at` = when it was last known
+open (the file is re-saved every minute). Without STATE_DIR the agent re-announces the open
+allocations under the same record ids, and allocations that ended while it was down are never
+closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.records.readings import SCHEMA_VERSION, Record, rfc3339
+from gpuid_agent.runtime import log
+from gpuid_agent.state.attribution import Allocation, Attribution
+
+_log = log.get("allocations")
+STATE_FILE = "allocations.json"
+STATE_VERSION = 1
+STATE_REFRESH = 60.0
+# Key of an allocation while it is open: one device id of one container.
+Key = tuple[str, str, str, str, str]
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "replace")).hexdigest()[:32]
+
+
+def allocation_id(cluster: str, node: str, allocation: Allocation) -> str:
+    h = allocation.holder
+    return _digest(
+        "allocation",
+        cluster,
+        node,
+        h.namespace,
+        h.pod,
+        h.pod_uid,
+        h.container,
+        allocation.resource_name,
+        allocation.device_id,
+    )
+
+
+def allocation_record_id(alloc_id: str, event: str) -> str:
+    return _digest(alloc_id, event)
+
+
+def _key(a: Allocation) -> Key:
+    h = a.holder
+    return (h.namespace, h.pod, h.container, a.resource_name, a.device_id)
+
+
+@dataclass(frozen=True, slots=True)
+class TrailIdentity:
+    """The record envelope fields that do not change for the agent's life."""
+
+    cluster: str
+    node: str
+    source: str
+
+
+class AllocationTrail:
+    """Turns attribution snapshots into allocation records; one task publishes them.
+
+    `offer` never blocks (the latest snapshot wins, like the reading emitter); `run` diffs
+    it against the open allocations, publishes, then saves the state file.
+    """
+
+    def __init__(
+        self,
+        identity: TrailIdentity,
+        *,
+        publish: Callable[[list[Record]], Awaitable[None]],
+        state_dir: str = "",
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.identity = identity
+        self._publish = publish
+        self._clock = clock
+        self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
+        self.open: dict[Key, Record] = {}
+        self._restored = False
+        self._restored_saved_at = ""
+        self._first = True
+        self._latest: tuple[Attribution, NodeInventory] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.started_at = clock()
+        self._load()
+
+    # ---- state file ------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self.state_path is None:
+            return
+        try:
+            raw = self.state_path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            _log.warning("cannot read allocation state", extra={"error": str(exc)})
+            return
+        try:
+            state = orjson.loads(raw)
+            if state.get("version") != STATE_VERSION or state.get("node") != self.identity.node:
+                raise ValueError("state file is for another version or node")
+            records = [r for r in state["open"] if isinstance(r, dict)]
+            opened = {self._record_key(r): r for r in records}
+        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # A damaged file must not stop the agent: start over, as without STATE_DIR.
+            _log.warning(
+                "ignoring unreadable allocation state",
+                extra={"path": str(self.state_path), "error": str(exc)},
+            )
+            return
+        self.open = opened
+        self._restored = True
+        self._restored_saved_at = str(state.get("saved_at") or "")
+        _log.info("restored open allocations", extra={"count": len(opened)})
+
+    @staticmethod
+    def _record_key(record: Record) -> Key:
+        fields = ("namespace", "pod", "container", "resource_name", "device_id")
+        values = tuple(record[f] for f in fields)
+        if not all(isinstance(v, str) for v in values) or not isinstance(
+            record.get("allocation_id"), str
+        ):
+            raise ValueError("malformed open allocation")
+        return values
+
+    def _state_bytes(self) -> bytes:
+        return orjson.dumps(
+            {
+                "version": STATE_VERSION,
+                "node": self.identity.node,
+                "saved_at": rfc3339(self._clock()),
+                "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
+            },
+            option=orjson.OPT_SORT_KEYS,
+        )
+
+    def _write_state(self, payload: bytes) -> None:
+        assert self.state_path is not None
+        directory = self.state_path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".allocations.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    async def _save(self) -> None:
+        if self.state_path is None:
+            return
+        try:
+            await asyncio.to_thread(self._write_state, self._state_bytes())
+        except OSError as exc:
+            _log.warning("cannot save allocation state", extra={"error": str(exc)})
+
+    # ---- records ---------------------------------------------------------------------------
+
+    def _start_record(
+        self, a: Allocation, inventory: NodeInventory, now: datetime, observed: bool
+    ) -> Record:
+        gpu = inventory.gpu_by_uuid().get(a.gpu_uuid)
+        mig = next((m for m in gpu.mig_devices if m.uuid == a.mig_uuid), None) if gpu else None
+        h = a.holder
+        alloc_id = allocation_id(self.identity.cluster, self.identity.node, a)
+        started = rfc3339(now)
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "allocation",
+            "record_id": allocation_record_id(alloc_id, "start"),
+            "event": "start",
+            "cluster": self.identity.cluster,
+            "node": self.identity.node,
+            "machine": inventory.machine,  # the providerID may arrive after start
+            "machine_source": inventory.machine_source,
+            "source": self.identity.source,
+            "chassis": (gpu.chassis_serial if gpu else None) or "",
+            "gpu": (gpu.serial if gpu else None) or "",
+            "read_time": started,
+            "allocation_id": alloc_id,
+            "serial": gpu.serial if gpu else None,
+            "uuid": a.gpu_uuid,
+            "gpu_index": gpu.index if gpu else None,
+            "mig_uuid": a.mig_uuid,
+            "mig_gpu_instance_id": mig.gpu_instance_id if mig else None,
+            "mig_profile": mig.profile if mig else None,
+            "namespace": h.namespace,
+            "pod": h.pod,
+            "pod_uid": h.pod_uid or None,
+            "container": h.container,
+            "resource_name": a.resource_name,
+            "device_id": a.device_id,
+            "replica": a.replica,
+            "workload_kind": h.workload_kind or None,
+            "workload_name": h.workload_name or None,
+            "started_at": started,
+            "start_observed": observed,
+            "ended_at": None,
+            "end_observed": None,
+        }
+
+    def _end_record(self, start: Record, now: datetime, observed: bool) -> Record:
+        ended = rfc3339(now)
+        record = dict(start)
+        record.update(
+            record_id=allocation_record_id(start["allocation_id"], "end"),
+            event="end",
+            read_time=ended,
+            ended_at=ended,
+            end_observed=observed,
+        )
+        if not observed:
+            record["last_seen_at"] = self._restored_saved_at or None
+        return record
+
+    def diff(self, attribution: Attribution, inventory: NodeInventory) -> list[Record]:
+        """Records owed for this snapshot; updates the open set. Only a current attribution
+        counts: a stale or missing mapping ends nothing."""
+        if attribution.state != "current":
+            return []
+        now = self._clock()
+        first, restored = self._first, self._restored
+        self._first = False
+        current: dict[Key, Allocation] = {}
+        for a in attribution.allocations:
+            current.setdefault(_key(a), a)
+        records: list[Record] = []
+        for key, start in list(self.open.items()):
+            held = current.get(key)
+            same_pod = held is not None and (
+                not held.holder.pod_uid
+                or not start.get("pod_uid")
+                or held.holder.pod_uid == start["pod_uid"]
+            )
+            if not same_pod:
+                # Seen gone on the first look after a restart: it ended while we were down.
+                observed = not (first and restored)
+                records.append(self._end_record(start, now, observed))
+                del self.open[key]
+        for key, a in current.items():
+            if key in self.open:
+                continue
+            # Found at start-up without a state file to tell: the start was not seen.
+            observed = not first
+            start = self._start_record(a, inventory, now, observed)
+            self.open[key] = start
+            records.append(start)
+        return records
+
+    # ---- task ------------------------------------------------------------------------------
+
+    def offer(self, attribution: Attribution, inventory: NodeInventory) -> None:
+        if attribution.state == "current":
+            self._latest = (attribution, inventory)
+            self._wake.set()
+
+    async def _step(self) -> None:
+        latest, self._latest = self._latest, None
+        if latest is None:
+            return
+        records = self.diff(*latest)
+        if records:
+            _log.debug("allocation records", extra={"count": len(records)})
+            await self._publish(records)
+            await self._save()
+
+    async def run(self) -> None:
+        """Publish what each offered snapshot owes. The state file is also re-saved every
+        STATE_REFRESH seconds while allocations are open, so after a crash `last_seen_at`
+        bounds when an allocation that vanished meanwhile was last known to be open."""
+        while not self._stopping:
+            try:
+                async with asyncio.timeout(STATE_REFRESH):  # not wait_for: 3.11's can eat a cancel
+                    await self._wake.wait()
+            except TimeoutError:
+                if self.open and not self._first:
+                    await self._save()
+                continue
+            self._wake.clear()
+            await self._step()
+        await self._step()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "open": len(self.open),
+            "state_file": str(self.state_path) if self.state_path else None,
+        }

@@ -1,0 +1,169 @@
+"""Reading records: the gpuid fields plus ours, with a deterministic id, emitted on change.
+
+A record's id is a hash of what it says (identity fields and read time), so the same record
+retried, spooled or re-sent after a restart keeps its id and sinks can deduplicate on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.runtime import log
+from gpuid_agent.state.inventory import diff
+
+Record = dict[str, Any]
+SCHEMA_VERSION = 1
+_log = log.get("records")
+
+
+def rfc3339(moment: datetime) -> str:
+    """UTC RFC 3339 with millisecond precision and a Z suffix."""
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def record_id(record: Record) -> str:
+    """Deterministic id over every field but the id itself (sorted keys, canonical JSON)."""
+    body = {k: v for k, v in record.items() if k != "record_id"}
+    digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return digest[:32]
+
+
+def reading_record(
+    inventory: NodeInventory, gpu: GpuIdentity, *, source: str, reason: str, change: str
+) -> Record:
+    record: Record = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "reading",
+        # gpuid's fields, same names and meaning
+        "cluster": inventory.cluster,
+        "node": inventory.node,
+        "machine": inventory.machine,
+        "source": source,
+        "chassis": gpu.chassis_serial or "",
+        "gpu": gpu.serial or "",
+        "read_time": rfc3339(inventory.read_time),
+        # ours
+        "uuid": gpu.uuid,
+        "index": gpu.index,
+        "model": gpu.name,
+        "pci_bus_id": gpu.pci_bus_id,
+        "module_id": gpu.module_id,
+        "board_part_number": gpu.board_part_number,
+        "driver_version": inventory.driver_version,
+        "machine_source": inventory.machine_source,
+        "mig_devices": [m.uuid for m in gpu.mig_devices],
+        "reason": reason,
+        "change": change,
+    }
+    record["record_id"] = record_id(record)
+    return record
+
+
+def reading_records(
+    inventory: NodeInventory,
+    *,
+    source: str,
+    reason: str,
+    changed: Mapping[str, str] | None = None,
+    removed: Iterable[GpuIdentity] = (),
+) -> list[Record]:
+    """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""
+    changed = changed or {}
+    records = [
+        reading_record(
+            inventory, gpu, source=source, reason=reason, change=changed.get(gpu.uuid, "unchanged")
+        )
+        for gpu in inventory.gpus
+    ]
+    records.extend(
+        reading_record(inventory, gpu, source=source, reason=reason, change="removed")
+        for gpu in removed
+    )
+    return records
+
+
+class ReadingEmitter:
+    """Turns snapshots into records: on start, on any change, and every heartbeat interval.
+
+    Snapshots arrive through `offer` (never blocks the collector); the emitter keeps only the
+    latest, so under backpressure from a slow exporter intermediate states coalesce into the
+    final one instead of piling up.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        heartbeat_interval: float,
+        publish: Callable[[list[Record]], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._heartbeat = heartbeat_interval
+        self._publish = publish
+        self._clock = clock
+        self._latest: NodeInventory | None = None
+        self._emitted: NodeInventory | None = None
+        self._last_emit = 0.0
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def offer(self, inventory: NodeInventory) -> None:
+        self._latest = inventory
+        self._wake.set()
+
+    def due(self, inventory: NodeInventory) -> list[Record]:
+        """Records owed for this snapshot now (empty when nothing changed and no heartbeat)."""
+        changes = diff(self._emitted, inventory)
+        first = self._emitted is None
+        heartbeat = self._clock() - self._last_emit >= self._heartbeat
+        if not first and not changes and not heartbeat:
+            return []
+        reason = "startup" if first else ("change" if changes else "heartbeat")
+        changed = {c.uuid: c.kind for c in changes if c.uuid and c.kind != "removed"}
+        removed = [c.before for c in changes if c.kind == "removed" and c.before]
+        if first:
+            changed = {}
+        return reading_records(
+            inventory, source=self._source, reason=reason, changed=changed, removed=removed
+        )
+
+    async def _step(self) -> None:
+        inventory = self._latest
+        if inventory is None:
+            return
+        first = self._emitted is None
+        records = self.due(inventory)
+        if records or first:
+            self._emitted = inventory
+            self._last_emit = self._clock()
+        if records:
+            _log.debug("emitting readings", extra={"count": len(records)})
+            await self._publish(records)
+
+    async def run(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self._time_to_heartbeat())
+            self._wake.clear()
+            await self._step()
+        await self._step()  # the snapshot offered while the last publish was blocked
+
+    def stop(self) -> None:
+        """Finish the current publish, emit what the latest snapshot still owes, then return."""
+        self._stopping = True
+        self._wake.set()
+
+    def _time_to_heartbeat(self) -> float | None:
+        if self._emitted is None:
+            return None
+        return max(0.0, self._heartbeat - (self._clock() - self._last_emit))

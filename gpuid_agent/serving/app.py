@@ -1,0 +1,71 @@
+"""The HTTP surface: /metrics, /gpu/metrics, /healthz, /readyz, /status.
+
+Handlers only read state the background tasks already prepared; none of them does NVML,
+kubelet or API work, so a scrape storm cannot slow collection down or the other way round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from gpuid_agent.serving.gpu_metrics import RenderedMetrics
+
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class AgentView(Protocol):
+    registry: CollectorRegistry
+
+    def gpu_metrics(self) -> RenderedMetrics: ...
+    def liveness(self) -> tuple[bool, list[str]]: ...
+    async def readiness(self) -> tuple[bool, list[str]]: ...
+    async def status(self) -> dict[str, Any]: ...
+
+
+def _wants_openmetrics(request: web.Request) -> bool:
+    return "application/openmetrics-text" in request.headers.get("Accept", "")
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body, default=str, option=orjson.OPT_INDENT_2),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def build_app(agent: AgentView) -> web.Application:
+    async def gpu_metrics(request: web.Request) -> web.Response:
+        rendered = agent.gpu_metrics()
+        if _wants_openmetrics(request):
+            return web.Response(body=rendered.openmetrics, headers={"Content-Type": OPENMETRICS})
+        return web.Response(body=rendered.text, headers={"Content-Type": TEXT})
+
+    async def metrics(request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(agent.registry), headers={"Content-Type": content_type})
+
+    async def healthz(request: web.Request) -> web.Response:
+        ok, problems = agent.liveness()
+        return _json({"ok": ok, "problems": problems}, 200 if ok else 503)
+
+    async def readyz(request: web.Request) -> web.Response:
+        ok, problems = await agent.readiness()
+        return _json({"ok": ok, "problems": problems}, 200 if ok else 503)
+
+    async def status(request: web.Request) -> web.Response:
+        return _json(await agent.status())
+
+    app = web.Application()
+    app.router.add_get("/gpu/metrics", gpu_metrics)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    return app

@@ -1,1 +1,0 @@
-"""Where the inventory goes: records to exporters, node labels, /gpu/metrics."""

@@ -1,0 +1,221 @@
+"""A kubernetes_asyncio ApiClient for the agent: in-cluster config, else a kubeconfig, else
+none (the agent then runs without the Kubernetes API).
+
+The kubeconfig path is read from the environment when called (kubernetes_asyncio reads
+KUBECONFIG once at import), and each client gets its own Configuration instead of the
+library's process-wide default, so several agents in one process do not share credentials.
+Every request is reported to an observer (verb, resource, code) so the load one agent puts on
+the API server is visible in its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
+from prometheus_client import Counter
+
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import GpuidError
+
+_log = log.get("kube")
+
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+Observer = Callable[[str, str, str], None]  # (verb, resource, code)
+
+
+class KubeConfigError(GpuidError):
+    """A Kubernetes configuration was found but cannot be used (malformed, unreadable)."""
+
+
+def describe_request(method: str, url: str, query: Any = None) -> tuple[str, str]:
+    """(verb, resource) of a request URL the way the API server names them:
+    GET /api/v1/nodes/n1 → (get, nodes); GET …/pods?watch=true → (watch, pods)."""
+    parts = [p for p in urlsplit(url).path.split("/") if p]
+    if parts[:1] == ["api"]:
+        parts = parts[2:]
+    elif parts[:1] == ["apis"]:
+        parts = parts[3:]
+    else:
+        return method.lower(), "other"
+    if len(parts) >= 3 and parts[0] == "namespaces":
+        parts = parts[2:]
+    if not parts:
+        return method.lower(), "other"
+    resource = parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
+    named = len(parts) > 1
+    if method == "GET":
+        watching = any(k == "watch" and str(v).lower() in ("true", "1") for k, v in query or ())
+        verb = "get" if named else ("watch" if watching else "list")
+    else:
+        verb = {"PATCH": "patch", "PUT": "update", "POST": "create", "DELETE": "delete"}.get(
+            method, method.lower()
+        )
+    return verb, resource
+
+
+class ObservedApiClient(k8s_client.ApiClient):
+    """ApiClient that reports each request's verb, resource and outcome."""
+
+    observer: Observer | None = None
+
+    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        sent = super().request(method, url, *args, **kwargs)
+        observer = self.observer
+        if observer is None:
+            return sent  # type: ignore[no-any-return]
+        verb, resource = describe_request(method, url, kwargs.get("query_params"))
+        return _observed(sent, observer, verb, resource)
+
+
+async def _observed(sent: Awaitable[Any], observer: Observer, verb: str, resource: str) -> Any:
+    code = "error"
+    try:
+        response = await sent
+        code = str(getattr(response, "status", "error"))
+        return response
+    except ApiException as exc:
+        code = str(exc.status)
+        raise
+    except TimeoutError:
+        code = "timeout"
+        raise
+    except (aiohttp.ClientError, OSError):
+        code = "connection"
+        raise
+    finally:
+        observer(verb, resource, code)
+
+
+def request_counter(counter: Counter) -> Observer:
+    """An observer counting requests in `counter` (AgentMetrics.kube_api_requests)."""
+
+    def observe(verb: str, resource: str, code: str) -> None:
+        counter.labels(verb, resource, code).inc()
+
+    return observe
+
+
+@dataclass(slots=True)
+class KubeClient:
+    """An ApiClient and where its configuration came from ("in-cluster" or the file paths)."""
+
+    api: Any  # ObservedApiClient
+    source: str
+
+    @property
+    def host(self) -> str:
+        return str(self.api.configuration.host)
+
+    def observe(self, observer: Observer | None) -> None:
+        self.api.observer = observer
+
+    async def close(self) -> None:
+        await self.api.close()
+
+
+def _safe_reason(exc: BaseException) -> str:
+    """Why a configuration failed, without echoing its content: kubernetes_asyncio's messages
+    name whole kubeconfig entries (tokens included) and YAML errors quote the offending line."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        problem = str(getattr(exc, "problem", "") or "syntax error")[:100]
+        return f"not valid YAML ({problem} at line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(exc, k8s_config.ConfigException):
+        return str(exc).split(" in ", 1)[0][:200]
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or ''}".rstrip(": ")
+    return type(exc).__name__
+
+
+def _kubeconfig_paths(environ: Mapping[str, str]) -> list[str]:
+    listed = environ.get("KUBECONFIG", "")
+    if listed:
+        return [p for p in listed.split(os.pathsep) if p]
+    home = environ.get("HOME") or str(Path.home())
+    return [str(Path(home) / ".kube" / "config")]
+
+
+def _in_cluster_available(environ: Mapping[str, str], sa_dir: str) -> bool:
+    return bool(
+        environ.get("KUBERNETES_SERVICE_HOST")
+        and environ.get("KUBERNETES_SERVICE_PORT")
+        and Path(sa_dir, "token").is_file()
+    )
+
+
+def _existing(paths: list[str]) -> list[str]:
+    return [p for p in paths if Path(p).is_file()]
+
+
+async def create_kube_client(
+    mode: str = "auto",
+    *,
+    environ: Mapping[str, str] | None = None,
+    service_account_dir: str = SERVICE_ACCOUNT_DIR,
+    observer: Observer | None = None,
+) -> KubeClient | None:
+    """The client to use, or None when KUBE_API=off or no configuration exists at all.
+
+    Raises KubeConfigError when configuration exists but is unusable, so the operator sees
+    why instead of the agent silently running without the API.
+    """
+    if mode == "off":
+        return None
+    env = os.environ if environ is None else environ
+    configuration = k8s_client.Configuration()
+    if _in_cluster_available(env, service_account_dir):
+        try:
+            loader = InClusterConfigLoader(
+                token_filename=str(Path(service_account_dir, "token")),
+                cert_filename=str(Path(service_account_dir, "ca.crt")),
+                environ=dict(env),
+            )
+            loader.load_and_set(configuration)
+            api = ObservedApiClient(configuration=configuration)
+        except Exception as exc:  # config errors, unreadable files, a bad CA bundle
+            raise KubeConfigError(
+                f"in-cluster configuration unusable: {_safe_reason(exc)}"
+            ) from exc
+        api.observer = observer
+        return KubeClient(api, "in-cluster")
+    paths = _existing(_kubeconfig_paths(env))
+    if not paths:
+        return None
+    try:
+        await k8s_config.load_kube_config(
+            config_file=os.pathsep.join(paths),
+            client_configuration=configuration,
+            persist_config=False,
+        )
+        api = ObservedApiClient(configuration=configuration)
+    except Exception as exc:  # a malformed file surfaces as yaml, key, type or value errors
+        raise KubeConfigError(
+            f"kubeconfig {', '.join(paths)} unusable: {_safe_reason(exc)}"
+        ) from exc
+    api.observer = observer
+    _log.debug("kube client from kubeconfig", extra={"paths": paths})
+    return KubeClient(api, ", ".join(paths))
+
+
+async def read_provider_id(kube: KubeClient, node: str, *, within: float) -> str | None:
+    """The Node's spec.providerID ("" when it has none); None when the Node cannot be read
+    now (the reason is logged at debug: the labeller reports API trouble)."""
+    core = k8s_client.CoreV1Api(kube.api)
+    try:
+        found = await asyncio.wait_for(core.read_node(node, _request_timeout=within), within)
+    except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        _log.debug("node not readable for its providerID", extra={"error": str(exc)[:200]})
+        return None
+    spec = getattr(found, "spec", None)
+    return str(getattr(spec, "provider_id", None) or "")

@@ -1,0 +1,100 @@
+"""A thin grpc.aio client of the kubelet pod-resources v1 API over its unix socket.
+
+The channel is dropped after any failure and rebuilt on the next call: gRPC's own reconnect
+backoff (up to minutes) would otherwise delay noticing a kubelet that restarted and recreated
+its socket.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from gpuid_agent.runtime.errors import GpuidError
+from gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc
+
+# A node with hundreds of pods produces responses far above gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+)
+_STUB: Any = api_pb2_grpc.PodResourcesListerStub
+
+
+class PodResourcesError(GpuidError):
+    """The kubelet could not be asked; `reason` is short and stable (a status/metric label)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _classify(exc: grpc.aio.AioRpcError) -> PodResourcesError:
+    code = exc.code()
+    reasons = {
+        grpc.StatusCode.UNAVAILABLE: "unavailable",
+        grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
+        grpc.StatusCode.UNIMPLEMENTED: "unimplemented",
+        grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+        grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+    }
+    reason = reasons.get(code, "rpc_error")
+    details = (exc.details() or "").strip().splitlines()
+    detail = details[0][:200] if details else ""
+    return PodResourcesError(reason, f"kubelet {code.name}: {detail}".rstrip(": "))
+
+
+class PodResourcesClient:
+    def __init__(self, socket_path: str, *, timeout: float) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+
+    def _connect(self) -> Any:
+        if not os.path.exists(self.socket_path):
+            raise PodResourcesError("socket_missing", f"socket {self.socket_path} does not exist")
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                f"unix://{os.path.abspath(self.socket_path)}", options=_CHANNEL_OPTIONS
+            )
+            self._stub = _STUB(self._channel)
+        return self._stub
+
+    async def _call(self, method: str, request: Any) -> Any:
+        stub = self._connect()
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            error = _classify(exc)
+            if error.reason != "unimplemented":
+                await self.reset()
+            raise error from exc
+
+    async def list(self) -> api_pb2.ListPodResourcesResponse:
+        response: api_pb2.ListPodResourcesResponse = await self._call(
+            "List", api_pb2.ListPodResourcesRequest()
+        )
+        return response
+
+    async def allocatable(self) -> api_pb2.AllocatableResourcesResponse:
+        """Raises PodResourcesError("unimplemented") on kubelets before 1.21."""
+        response: api_pb2.AllocatableResourcesResponse = await self._call(
+            "GetAllocatableResources", api_pb2.AllocatableResourcesRequest()
+        )
+        return response
+
+    async def reset(self) -> None:
+        """Drop the channel; the next call dials the socket afresh."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        await self.reset()

@@ -1,0 +1,201 @@
+"""XID events: an NVML event set waited on in a thread of its own.
+
+`nvmlEventSetWait_v2` blocks for up to its timeout, so it cannot share the NVML reader thread
+(reads would stall behind it) and must never run on the event loop. The thread waits in short
+slices so that stopping it takes at most one slice, registers GPUs as they become readable, and
+hands each XID to `deliver` (called from this thread: it must be thread safe, e.g. a
+`loop.call_soon_threadsafe` wrapper).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Any
+
+import pynvml
+
+from gpuid_agent.runtime import log
+from gpuid_agent.sources.nvml.api import NvmlApi
+from gpuid_agent.sources.nvml.signals import NvmlEvent, XidEvent
+
+_log = log.get("health.xid")
+_INVALID_INSTANCE = 0xFFFFFFFF
+_UNSUPPORTED = (
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+)
+_MAX_PAUSE = 60.0
+
+
+def _code(exc: pynvml.NVMLError) -> int | None:
+    value = getattr(exc, "value", None)
+    return int(value) if value is not None else None
+
+
+class XidWatcher:
+    def __init__(
+        self,
+        api: NvmlApi,
+        deliver: Callable[[XidEvent], None],
+        *,
+        wait_ms: int = 1000,
+        retry_after: float = 5.0,
+    ) -> None:
+        self._api = api
+        self._deliver = deliver
+        self._wait_ms = max(1, int(wait_ms))
+        self._retry_after = retry_after
+        self._targets: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()
+        # Read from the event loop; replaced whole, never mutated in place.
+        self.unsupported: Mapping[int, str] = MappingProxyType({})
+        self.unavailable: str | None = None
+        self.events = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def watch(self, targets: Mapping[int, str]) -> None:
+        """Watch these GPUs ({index: uuid}); starts the thread on first use, and again should
+        it have died (each call is one collection later, so a broken thread cannot spin)."""
+        with self._lock:
+            self._targets = dict(targets)
+        if self.alive or self.unavailable is not None or self._stop.is_set():
+            return
+        if self._thread is not None:
+            _log.warning("restarting the XID thread")
+        self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to finish; True when it did within `timeout` seconds."""
+        self._stop.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the thread --------------------------------------------------------------------
+
+    def _warn_once(self, key: str, message: str, **extra: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _log.warning(message, extra=extra)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not end XID watching for good
+            _log.exception("the XID thread failed")
+
+    def _loop(self) -> None:
+        event_set: Any = None
+        registered: dict[Hashable, tuple[int, str]] = {}
+        retry_at: dict[int, float] = {}
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if event_set is None:
+                        event_set = self._api.event_set_create()
+                        registered.clear()
+                        retry_at.clear()
+                    self._register(event_set, registered, retry_at)
+                    event = self._api.event_set_wait(event_set, self._wait_ms)
+                except pynvml.NVMLError as exc:
+                    code = _code(exc)
+                    if code == pynvml.NVML_ERROR_TIMEOUT:
+                        failures = 0
+                        continue
+                    if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND or (
+                        event_set is None and code in _UNSUPPORTED
+                    ):
+                        # No event API on this driver: the XID check says so; nothing to retry.
+                        self.unavailable = f"XID events not available: {exc}"
+                        _log.warning(self.unavailable)
+                        return
+                    failures += 1
+                    self._warn_once(f"wait:{code}", f"XID event wait failed: {exc}")
+                    if code != pynvml.NVML_ERROR_GPU_IS_LOST:
+                        # The set may be gone with an NVML re-initialisation: start afresh.
+                        self._free(event_set)
+                        event_set = None
+                    pause = min(_MAX_PAUSE, self._retry_after * 2 ** min(failures - 1, 6))
+                    self._stop.wait(pause)
+                    continue
+                failures = 0
+                self._handle(event, registered)
+        finally:
+            self._free(event_set)
+
+    def _free(self, event_set: Any) -> None:
+        if event_set is None:
+            return
+        try:
+            self._api.event_set_free(event_set)
+        except pynvml.NVMLError as exc:
+            _log.debug("freeing the XID event set failed", extra={"error": str(exc)})
+
+    def _register(
+        self,
+        event_set: Any,
+        registered: dict[Hashable, tuple[int, str]],
+        retry_at: dict[int, float],
+    ) -> None:
+        with self._lock:
+            targets = dict(self._targets)
+        done = {index: uuid for index, uuid in registered.values()}
+        unsupported = dict(self.unsupported)
+        now = time.monotonic()
+        for index, uuid in sorted(targets.items()):
+            if done.get(index) == uuid or index in unsupported:
+                continue
+            if retry_at.get(index, 0.0) > now:
+                continue
+            try:
+                handle = self._api.handle_by_index(index)
+                self._api.register_xid_events(handle, event_set)
+                key = self._api.device_key(handle)
+            except pynvml.NVMLError as exc:
+                if _code(exc) in _UNSUPPORTED:
+                    unsupported[index] = f"XID events not supported on this GPU: {exc}"
+                else:  # lost or busy: try again later, without spinning
+                    retry_at[index] = now + self._retry_after
+                    self._warn_once(
+                        f"register:{index}", f"cannot watch XIDs of GPU {index}: {exc}", gpu=index
+                    )
+                continue
+            registered[key] = (index, uuid)
+            retry_at.pop(index, None)
+        if unsupported != self.unsupported:
+            self.unsupported = MappingProxyType(unsupported)
+
+    def _handle(self, event: NvmlEvent, registered: Mapping[Hashable, tuple[int, str]]) -> None:
+        if event.event_type != pynvml.nvmlEventTypeXidCriticalError:
+            return
+        target = registered.get(event.device)
+        if target is None:
+            self._warn_once("unknown-device", "XID from a device not being watched")
+            return
+        index, uuid = target
+        gi, ci = event.gpu_instance_id, event.compute_instance_id
+        self.events += 1
+        self._deliver(
+            XidEvent(
+                index=index,
+                uuid=uuid,
+                code=int(event.data),
+                at=datetime.now(UTC),
+                gpu_instance_id=None if gi == _INVALID_INSTANCE else gi,
+                compute_instance_id=None if ci == _INVALID_INSTANCE else ci,
+            )
+        )

@@ -1,0 +1,27 @@
+"""Which containers hold which GPUs: kubelet device ids mapped onto the NVML inventory."""
+
+from gpuid_agent.state.attribution.mapping import (
+    DeviceIndex,
+    attribute,
+    count_allocatable_gpus,
+    make_holder,
+)
+from gpuid_agent.state.attribution.model import (
+    UNAVAILABLE,
+    Allocation,
+    Attribution,
+    Holder,
+    Unmapped,
+)
+
+__all__ = [
+    "UNAVAILABLE",
+    "Allocation",
+    "Attribution",
+    "DeviceIndex",
+    "Holder",
+    "Unmapped",
+    "attribute",
+    "count_allocatable_gpus",
+    "make_holder",
+]

@@ -1,0 +1,190 @@
+"""Kubelet device ids mapped onto the NVML inventory: who holds which GPU.
+
+Pure functions over snapshots. A GPU shared through time-slicing or MPS (`GPU-…::N`, GKE
+`/vgpuN`) is held by every container that has one of its replicas; a MIG device is held by
+the containers that have it, and its parent GPU is not itself held. Device ids that fit no
+known form, or name a GPU this node does not have, are collected in `unmapped`, never fatal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from types import MappingProxyType
+
+from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
+from gpuid_agent.sources.kube.pods import PodMeta
+from gpuid_agent.sources.kubelet import (
+    DeviceAssignment,
+    DeviceIdError,
+    DeviceRef,
+    PodResourcesSnapshot,
+    parse_device_id,
+)
+from gpuid_agent.state.attribution.model import (
+    UNAVAILABLE,
+    Allocation,
+    Attribution,
+    Holder,
+    Unmapped,
+)
+
+PodLookup = Callable[[str, str], PodMeta | None]
+
+
+class DeviceIndex:
+    """Lookups from every device-id form to (GPU, MIG device) of one inventory."""
+
+    def __init__(self, inventory: NodeInventory) -> None:
+        self.by_uuid: dict[str, GpuIdentity] = {}
+        self.by_index: dict[int, GpuIdentity] = {}
+        self.by_device: dict[str, GpuIdentity] = {}
+        self.mig_by_uuid: dict[str, tuple[GpuIdentity, MigDevice]] = {}
+        for gpu in inventory.gpus:
+            self.by_uuid[gpu.uuid.lower()] = gpu
+            self.by_index[gpu.index] = gpu
+            self.by_device[gpu.device] = gpu
+            for mig in gpu.mig_devices:
+                self.mig_by_uuid[mig.uuid.lower()] = (gpu, mig)
+
+    def resolve(self, ref: DeviceRef) -> tuple[GpuIdentity, MigDevice | None]:
+        """The GPU (and MIG device) a parsed id names; DeviceIdError when this node has none."""
+        if ref.form == "mig_uuid":
+            found = self.mig_by_uuid.get((ref.mig_uuid or "").lower())
+            if found is None:
+                raise DeviceIdError("unknown_mig", f"no MIG device {ref.mig_uuid} on this node")
+            return found
+        gpu = self._gpu(ref)
+        if not ref.is_mig:
+            return gpu, None
+        for mig in gpu.mig_devices:
+            if ref.mig_index is not None and mig.index == ref.mig_index:
+                return gpu, mig
+            if (
+                ref.mig_index is None
+                and mig.gpu_instance_id == ref.gpu_instance_id
+                and ref.compute_instance_id in (None, mig.compute_instance_id)
+            ):
+                return gpu, mig
+        raise DeviceIdError("unknown_mig", f"no such MIG device on GPU {gpu.index}")
+
+    def _gpu(self, ref: DeviceRef) -> GpuIdentity:
+        gpu: GpuIdentity | None = None
+        if ref.gpu_uuid is not None:
+            gpu = self.by_uuid.get(ref.gpu_uuid.lower())
+        elif ref.gpu_index is not None:
+            gpu = self.by_index.get(ref.gpu_index)
+        elif ref.gpu_minor is not None:
+            gpu = self.by_device.get(f"nvidia{ref.gpu_minor}")
+        if gpu is None:
+            raise DeviceIdError("unknown_gpu", f"device id {ref.device_id} names no GPU here")
+        return gpu
+
+
+def make_holder(
+    namespace: str, pod: str, container: str, meta: PodMeta | None, label_allowlist: Sequence[str]
+) -> Holder:
+    if meta is None:
+        return Holder(namespace, pod, container)
+    labels = tuple((k, meta.labels[k]) for k in label_allowlist if k in meta.labels)
+    return Holder(
+        namespace,
+        pod,
+        container,
+        pod_uid=meta.uid,
+        workload_kind=meta.workload_kind,
+        workload_name=meta.workload_name,
+        labels=labels,
+    )
+
+
+def attribute(
+    inventory: NodeInventory | None,
+    snapshot: PodResourcesSnapshot | None,
+    *,
+    pods: PodLookup | None = None,
+    label_allowlist: Sequence[str] = (),
+) -> Attribution:
+    """Map a kubelet snapshot onto the inventory. No snapshot (or a stale one): unavailable.
+    No inventory yet: pending, nothing counted as unmapped."""
+    if snapshot is None:
+        return UNAVAILABLE
+    if inventory is None:
+        return Attribution("pending")
+    index = DeviceIndex(inventory)
+    allocations: list[Allocation] = []
+    unmapped: list[Unmapped] = []
+    holders: dict[tuple[str, str, str], Holder] = {}
+    for a in snapshot.assignments:
+        try:
+            ref = parse_device_id(a.device_id)
+            gpu, mig = index.resolve(ref)
+        except DeviceIdError as exc:
+            unmapped.append(_unmapped(a, exc.reason))
+            continue
+        key = (a.namespace, a.pod, a.container)
+        holder = holders.get(key)
+        if holder is None:
+            meta = pods(a.namespace, a.pod) if pods is not None else None
+            holder = holders[key] = make_holder(*key, meta, label_allowlist)
+        allocations.append(
+            Allocation(
+                holder=holder,
+                resource_name=a.resource_name,
+                device_id=a.device_id,
+                gpu_uuid=gpu.uuid,
+                mig_uuid=mig.uuid if mig is not None else None,
+                replica=ref.replica,
+            )
+        )
+    return Attribution(
+        "current",
+        allocations=tuple(allocations),
+        unmapped=tuple(unmapped),
+        by_device=MappingProxyType(_by_device(allocations)),
+    )
+
+
+def _by_device(allocations: Iterable[Allocation]) -> dict[str, tuple[Holder, ...]]:
+    grouped: dict[str, dict[Holder, None]] = {}
+    for a in allocations:
+        grouped.setdefault(a.mig_uuid or a.gpu_uuid, {})[a.holder] = None
+    return {
+        uuid: tuple(sorted(h, key=lambda h: (h.namespace, h.pod, h.container)))
+        for uuid, h in grouped.items()
+    }
+
+
+def _unmapped(a: DeviceAssignment, reason: str) -> Unmapped:
+    return Unmapped(a.namespace, a.pod, a.container, a.resource_name, a.device_id, reason)
+
+
+def count_allocatable_gpus(
+    snapshot: PodResourcesSnapshot | None, inventory: NodeInventory | None
+) -> int | None:
+    """Physical GPUs the kubelet can hand out: replicas of one GPU count once, MIG devices
+    count as their parent. Ids of GPUs NVML does not show (fallen off the bus) still count,
+    which is the point: the kubelet's count is the one to compare NVML's with."""
+    if snapshot is None or snapshot.allocatable is None:
+        return None
+    index = DeviceIndex(inventory) if inventory is not None else None
+    gpus: set[tuple[str, object]] = set()
+    for _, device_id in snapshot.allocatable:
+        try:
+            ref = parse_device_id(device_id)
+        except DeviceIdError:
+            continue
+        if index is not None:
+            try:
+                gpus.add(("uuid", index.resolve(ref)[0].uuid))
+                continue
+            except DeviceIdError:
+                pass
+        if ref.gpu_uuid is not None:
+            gpus.add(("uuid", ref.gpu_uuid.lower()))
+        elif ref.gpu_index is not None:
+            gpus.add(("index", ref.gpu_index))
+        elif ref.gpu_minor is not None:
+            gpus.add(("minor", ref.gpu_minor))
+        else:  # a MIG UUID of a GPU NVML does not show: one GPU at least
+            gpus.add(("mig", ref.mig_uuid))
+    return len(gpus)

@@ -1,0 +1,119 @@
+"""Keeps the current attribution: recomputed when the kubelet mapping, the pod metadata or the
+inventory changes, never inside a scrape. Unattributable device ids are counted and logged
+once per change of their set."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.metrics import AttributionMetrics
+from gpuid_agent.sources.kube.pods import PodDirectory
+from gpuid_agent.sources.kubelet import PodResourcesSource
+from gpuid_agent.state.attribution.mapping import attribute
+from gpuid_agent.state.attribution.model import UNAVAILABLE, Attribution, Unmapped
+
+_log = log.get("attribution")
+_EXAMPLES = 5
+
+
+class Attributor:
+    def __init__(
+        self,
+        source: PodResourcesSource,
+        *,
+        pods: PodDirectory | None = None,
+        label_allowlist: Sequence[str] = (),
+        metrics: AttributionMetrics | None = None,
+    ) -> None:
+        self.source = source
+        self.pods = pods
+        self.label_allowlist = tuple(label_allowlist)
+        self.current: Attribution = UNAVAILABLE
+        self._unmapped: frozenset[Unmapped] = frozenset()
+        self._reasons: set[str] = set()
+        # One event for every input: the kubelet poller sets it, and so does the pod cache
+        # (built with `changed=attributor.changed`).
+        self.changed = source.changed
+        self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
+
+    @property
+    def pods_ready(self) -> bool:
+        return self.pods is None or self.pods.ready
+
+    def refresh(self, inventory: NodeInventory | None) -> Attribution:
+        attribution = attribute(
+            inventory,
+            self.source.current(),
+            pods=self.pods.lookup if self.pods is not None else None,
+            label_allowlist=self.label_allowlist,
+        )
+        self._note(attribution)
+        self.current = attribution
+        return attribution
+
+    def _note(self, attribution: Attribution) -> None:
+        if attribution.state != "current":
+            return  # keep the last counts: nothing was checked
+        unmapped = frozenset(attribution.unmapped)
+        self._metrics.holders.set(len({a.holder for a in attribution.allocations}))
+        if unmapped == self._unmapped:
+            return
+        new = unmapped - self._unmapped
+        self._unmapped = unmapped
+        for reason, count in Tally(u.reason for u in new).items():
+            self._metrics.unmapped_total.labels(reason).inc(count)
+        now = Tally(u.reason for u in unmapped)
+        self._reasons.update(now)
+        for reason in self._reasons:
+            self._metrics.unmapped_now.labels(reason).set(now.get(reason, 0))
+        if new:
+            examples = sorted(new, key=lambda u: (u.namespace, u.pod, u.device_id))[:_EXAMPLES]
+            _log.warning(
+                "kubelet device ids not attributed",
+                extra={
+                    "count": len(unmapped),
+                    "examples": [
+                        {
+                            "pod": f"{u.namespace}/{u.pod}",
+                            "container": u.container,
+                            "resource": u.resource_name,
+                            "device_id": u.device_id[:80],
+                            "reason": u.reason,
+                        }
+                        for u in examples
+                    ],
+                },
+            )
+        elif not unmapped:
+            _log.info("all kubelet device ids attributed again")
+
+    async def wait_changed(self) -> None:
+        """Return once the kubelet mapping or the pod metadata changed, or on request."""
+        await self.changed.wait()
+        self.changed.clear()
+
+    def status(self) -> dict[str, Any]:
+        current = self.current
+        return {
+            "state": current.state,
+            "kubelet": self.source.status(),
+            "allocations": len(current.allocations),
+            "holders": len({a.holder for a in current.allocations}),
+            "unmapped": [
+                {
+                    "pod": f"{u.namespace}/{u.pod}",
+                    "container": u.container,
+                    "resource": u.resource_name,
+                    "device_id": u.device_id[:80],
+                    "reason": u.reason,
+                }
+                for u in sorted(current.unmapped, key=lambda u: (u.namespace, u.pod))[:20]
+            ],
+            "pods_ready": self.pods_ready,
+        }
