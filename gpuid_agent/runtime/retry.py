@@ -1,0 +1,76 @@
+"""The one retry policy: exponential backoff with full jitter, and the one Retry-After parser.
+
+Full jitter (a delay uniform in [0, min(cap, base·2ⁿ)]) spreads a fleet that failed together
+better than equal jitter, at the cost of sometimes retrying at once; every retrying component
+of the agent (exporters, NVML start, the kubelet and API clients, node writes) uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
+RETRY_AFTER_CAP = 300.0  # the longest pause any server's Retry-After may impose on us
+
+
+class Backoff:
+    """Delays for consecutive failures: `next()` after each failure, `reset()` after a
+    success. `floor` is a minimum delay (a server's Retry-After, say) for the next pause."""
+
+    def __init__(self, base: float, cap: float, rand: random.Random | None = None) -> None:
+        if base <= 0 or cap <= 0:
+            raise ValueError("backoff base and cap must be positive")
+        self.base = base
+        self.cap = cap
+        self.failures = 0
+        self._rand = rand or random.Random()
+
+    def ceiling(self) -> float:
+        """The largest delay the next failure may draw."""
+        return min(self.cap, self.base * 2.0 ** min(self.failures, 62))
+
+    def next(self, floor: float | None = None) -> float:
+        delay = self._rand.uniform(0.0, self.ceiling())
+        self.failures += 1
+        if floor is not None:
+            delay = max(delay, min(floor, RETRY_AFTER_CAP))
+        return delay
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def backoff_delay(
+    attempt: int, base: float, cap: float, rand: random.Random | None = None
+) -> float:
+    """The delay before retry number `attempt` (0-based), for callers that count attempts
+    themselves: uniform in [0, min(cap, base·2^attempt)]."""
+    ceiling = min(cap, base * 2.0 ** min(max(attempt, 0), 62))
+    return (rand or random).uniform(0.0, ceiling)
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header: delta-seconds (digits only, RFC 9110) or an
+    HTTP date, clamped to [0, RETRY_AFTER_CAP]. None when absent or unreadable: negative or
+    fractional numbers, `inf`, `nan` and other garbage are rejected, not guessed at."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text:
+        return None
+    if text.isascii() and text.isdigit():
+        return min(float(int(text[:12])), RETRY_AFTER_CAP)
+    if text[0] in "+-." or text[0].isdigit():
+        return None  # a number, but not delta-seconds
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    seconds = (when - (now or datetime.now(UTC))).total_seconds()
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), RETRY_AFTER_CAP)
