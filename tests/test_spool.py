@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.delivery.spool import CorruptBatchError, DiskSpool, MemoryBatches
+from gpuid_agent.delivery.spool import DiskSpool, MemoryBatches
+from gpuid_agent.runtime.errors import CorruptBatchError
 from tests.exporter_support import readings
 
 

@@ -23,15 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
-from gpuid_agent.delivery.spool import (
-    BatchStore,
-    CorruptBatchError,
-    DiskSpool,
-    MemoryBatches,
-    StoredBatch,
-)
+from gpuid_agent.delivery.spool import BatchStore, DiskSpool, MemoryBatches, StoredBatch
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 
 _log = log.get("pipeline")
@@ -51,7 +45,7 @@ class Outcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class BatchPolicy:
     batch_size: int = 10
-    flush_interval: float = 5.0
+    flush_interval: float = 2.0
     queue_size: int = 10_000
     retry_count: int = 2
     timeout: float = 30.0
@@ -124,6 +118,14 @@ class ExporterWorker:
     async def put(self, record: Record) -> None:
         await self._queue.put(record)
         self._depth.set(self.pending)
+
+    async def store_now(self, records: list[Record]) -> None:
+        """Store `records` as a batch of their own at once, past the intake and its flush
+        interval: when this returns they are in the store (on disk, for a spool)."""
+        dropped = await self.store.add(records)
+        self._dropped(dropped, "spool_full" if self.store.durable else "buffer_full")
+        self._update_gauges()
+        self._stored.set()
 
     # ---- batching ----------------------------------------------------------------------------
 
@@ -429,6 +431,17 @@ class Pipeline:
             self._metrics.records_emitted.labels(record.get("kind", "unknown")).inc()
             for worker in self.workers:
                 await worker.put(record)
+
+    async def publish_durable(self, records: Sequence[Record]) -> None:
+        """Hand `records` to every exporter's store now and return once each holds them:
+        written and fsync'd in a disk spool, or kept by a memory-only store (whose /status
+        says `durable: false`). State that assumes the records were sent is saved only after
+        this returns, so a crash in between re-sends them instead of losing them."""
+        if not records:
+            return
+        for record in records:
+            self._metrics.records_emitted.labels(record.get("kind", "unknown")).inc()
+        await asyncio.gather(*(w.store_now(list(records)) for w in self.workers))
 
     async def health(self) -> dict[str, ExporterHealth]:
         results = await asyncio.gather(*(w.health() for w in self.workers))

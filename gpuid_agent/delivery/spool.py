@@ -27,14 +27,11 @@ import orjson
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Record, json_bytes
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import CorruptBatchError
 
 _log = log.get("spool")
 _NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.ndjson$")
 REJECTED_DIR = "rejected"
-
-
-class CorruptBatchError(Exception):
-    """A spooled batch file that cannot be read back as records."""
 
 
 @dataclass(slots=True, eq=False)

@@ -24,8 +24,9 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import KubeConfigError
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, KubeConfigError, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.state.health.model import NodeHealth
 
 _log = log.get("node_conditions")

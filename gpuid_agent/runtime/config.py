@@ -124,6 +124,11 @@ class Settings(BaseSettings):
         "", description="Path of libnvidia-ml.so.1 (e.g. under a GPU-operator driver root)."
     )
     collect_interval: PositiveDuration = Field(10.0, description="NVML collection period.")
+    stall_timeout: Duration = Field(
+        0.0,
+        description="A collection or NVML call running longer than this marks the collector "
+        "stalled and fails /healthz; 0: 3 × COLLECT_INTERVAL, at least 30s.",
+    )
     heartbeat_interval: PositiveDuration = Field(
         3600.0, description="Re-emit reading records this often even without change."
     )
@@ -147,6 +152,11 @@ class Settings(BaseSettings):
         0.5, description="First retry pause of an export (doubles, with jitter)."
     )
     retry_backoff_max: PositiveDuration = Field(30.0, description="Longest retry pause.")
+    health_probe_interval: PositiveDuration = Field(
+        30.0,
+        description="How often an idle exporter's sink is probed (a delivery counts as a "
+        "probe); HTTP handlers never probe.",
+    )
     shutdown_grace: Duration = Field(
         20.0, description="Time allowed to flush pending batches on SIGTERM."
     )
@@ -260,6 +270,12 @@ class Settings(BaseSettings):
         description="Faults a simulated node injects: <kind>:gpu<N>[@<delay>], comma list "
         "(xid79:gpu2, lost:gpu3, remap-pending:gpu1, ecc-growth:gpu0, thermal:gpu1, ...).",
     )
+
+    def effective_stall_timeout(self) -> float:
+        """The bound on one collection or NVML call before the collector counts as stalled."""
+        if self.stall_timeout > 0:
+            return self.stall_timeout
+        return max(30.0, 3 * self.collect_interval)
 
     def effective_node_name(self) -> str:
         return self.node_name or socket.gethostname()

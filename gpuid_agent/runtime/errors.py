@@ -1,4 +1,22 @@
-"""One exception tree: every error the agent raises on purpose derives from GpuidError."""
+"""One exception tree: every error the agent raises on purpose derives from GpuidError.
+
+    GpuidError
+    ├── ConfigError            invalid settings; names every bad variable (exit 2)
+    ├── NvmlError
+    │   ├── NvmlUnavailableError   NVML cannot start (no driver, library, permission)
+    │   ├── NvmlStalledError       an NVML call outlived its bound; the thread is abandoned
+    │   └── GpuLostError           a GPU answered "lost" or "reset required"
+    ├── SourceError
+    │   ├── PodResourcesError      the kubelet's pod-resources socket could not be asked
+    │   ├── DeviceIdError          a kubelet device id of no known form (also a ValueError)
+    │   ├── KubeConfigError        a Kubernetes configuration that cannot be used
+    │   └── KubeApiError           the API server answered with an error status
+    ├── ExportError            an exporter could not deliver a batch
+    └── StoreError
+        └── CorruptBatchError      a spooled batch that cannot be read back
+
+Library errors are wrapped with `raise … from exc`, so the cause stays in the traceback.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +34,58 @@ class ConfigError(GpuidError):
         super().__init__("invalid configuration:\n" + "\n".join(lines))
 
 
-class NvmlUnavailableError(GpuidError):
+class NvmlError(GpuidError):
+    """Something NVML did or did not do."""
+
+
+class NvmlUnavailableError(NvmlError):
     """NVML could not be initialised (no driver, library missing, permission)."""
+
+
+class NvmlStalledError(NvmlError):
+    """An NVML call did not return within its bound; the call's thread is given up on."""
+
+
+class GpuLostError(NvmlError):
+    """A GPU that NVML reports lost (or needing a reset); its identity is kept."""
+
+    def __init__(self, index: int, code: int, reason: str | None = None) -> None:
+        super().__init__(reason or f"GPU {index} is lost (NVML error {code})")
+        self.index = index
+        self.code = code
+        self.reason = reason or str(self)
+
+
+class SourceError(GpuidError):
+    """A source (kubelet, Kubernetes API) could not be read."""
+
+
+class PodResourcesError(SourceError):
+    """The kubelet could not be asked; `reason` is short and stable (a status/metric label)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class DeviceIdError(SourceError, ValueError):
+    """A device id that fits none of the known forms; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class KubeConfigError(SourceError):
+    """A Kubernetes configuration was found but cannot be used (malformed, unreadable)."""
+
+
+class KubeApiError(SourceError):
+    """The API server answered with an error status (0: no answer at all)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
 
 
 class ExportError(GpuidError):
@@ -39,3 +107,11 @@ class ExportError(GpuidError):
         self.error_type = error_type
         self.retryable = retryable
         self.retry_after = retry_after
+
+
+class StoreError(GpuidError):
+    """An exporter's batch store (the spool) failed."""
+
+
+class CorruptBatchError(StoreError):
+    """A spooled batch file that cannot be read back as records."""

@@ -427,7 +427,7 @@ async def test_kube_client_sources(tmp_path: Path) -> None:
 
 
 async def test_kube_client_rejects_broken_kubeconfig(tmp_path: Path) -> None:
-    from gpuid_agent.sources.kube.client import KubeConfigError
+    from gpuid_agent.runtime.errors import KubeConfigError
 
     bad = tmp_path / "kc"
     bad.write_text("clusters: [not: a: valid")

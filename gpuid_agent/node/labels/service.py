@@ -16,11 +16,11 @@ from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.errors import KubeConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import (
     KubeClient,
-    KubeConfigError,
     create_kube_client,
     read_provider_id,
     request_counter,

@@ -26,16 +26,12 @@ from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from prometheus_client import Counter
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import GpuidError
+from gpuid_agent.runtime.errors import KubeConfigError
 
 _log = log.get("kube")
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 Observer = Callable[[str, str, str], None]  # (verb, resource, code)
-
-
-class KubeConfigError(GpuidError):
-    """A Kubernetes configuration was found but cannot be used (malformed, unreadable)."""
 
 
 def describe_request(method: str, url: str, query: Any = None) -> tuple[str, str]:

@@ -27,10 +27,10 @@ from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import GpuidError
+from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, KubeConfigError, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 
 _log = log.get("pods")
 COMPONENT = "kube-pods"
@@ -61,12 +61,6 @@ class PodDirectory(Protocol):
     def ready(self) -> bool:
         """True once the first list is in (or the API is known to be out of reach)."""
         ...
-
-
-class KubeApiError(GpuidError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}" if status else message)
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)

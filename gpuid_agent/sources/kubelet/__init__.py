@@ -1,12 +1,8 @@
 """The kubelet pod-resources API: which containers hold which GPU devices."""
 
-from gpuid_agent.sources.kubelet.client import PodResourcesClient, PodResourcesError
-from gpuid_agent.sources.kubelet.devices import (
-    DeviceIdError,
-    DeviceRef,
-    ResourceMatcher,
-    parse_device_id,
-)
+from gpuid_agent.runtime.errors import DeviceIdError, PodResourcesError
+from gpuid_agent.sources.kubelet.client import PodResourcesClient
+from gpuid_agent.sources.kubelet.devices import DeviceRef, ResourceMatcher, parse_device_id
 from gpuid_agent.sources.kubelet.source import (
     DeviceAssignment,
     PodResourcesSnapshot,

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from gpuid_agent.runtime.errors import GpuidError
+from gpuid_agent.runtime.errors import PodResourcesError
 from gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc
 
 # A node with hundreds of pods produces responses far above gRPC's 4 MiB default.
@@ -25,14 +25,6 @@ _CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
 )
 _STUB: Any = api_pb2_grpc.PodResourcesListerStub
-
-
-class PodResourcesError(GpuidError):
-    """The kubelet could not be asked; `reason` is short and stable (a status/metric label)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def _classify(exc: grpc.aio.AioRpcError) -> PodResourcesError:

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from gpuid_agent.runtime.errors import DeviceIdError
+
 MAX_DEVICE_ID = 256
 _MAX_NUMBER = 99_999  # far above any GPU index, minor, GI id or replica count
 
@@ -39,14 +41,6 @@ _GKE = re.compile(r"nvidia(\d{1,5})(?:/gi(\d{1,5}))?(?:/vgpu(\d{1,5}))?")
 _REPLICA = re.compile(r"\d{1,5}")
 
 DEFAULT_RESOURCE_PATTERNS = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
-
-
-class DeviceIdError(ValueError):
-    """A device id that fits none of the known forms; `reason` is a short metric label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import PodResourcesError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kubelet.client import PodResourcesClient, PodResourcesError
+from gpuid_agent.sources.kubelet.client import PodResourcesClient
 from gpuid_agent.sources.kubelet.devices import ResourceMatcher
 
 _log = log.get("podresources")

@@ -19,7 +19,7 @@ import pynvml
 
 from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import NvmlUnavailableError
+from gpuid_agent.runtime.errors import GpuLostError, NvmlUnavailableError
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals
 
@@ -44,13 +44,6 @@ _REMAP_KEYS = (
     "row_remap_failure",
 )
 _MIG_PROFILE = re.compile(r"\bMIG\s+(\S+)\s*$")
-
-
-class GpuLostError(Exception):
-    def __init__(self, index: int, code: int) -> None:
-        super().__init__(f"GPU {index} is lost (NVML error {code})")
-        self.index = index
-        self.code = code
 
 
 @dataclass(slots=True)
