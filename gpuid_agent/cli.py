@@ -80,16 +80,18 @@ def _run(settings: Settings) -> int:
 
 
 def _inventory(settings: Settings, as_json: bool) -> int:
-    from gpuid_agent.agent import make_nvml_api
+    from gpuid_agent.simulate.environment import node_environment
     from gpuid_agent.sources.nvml.reader import NvmlSource
 
     async def read() -> Any:
-        source = NvmlSource(make_nvml_api(settings))
+        environment = node_environment(settings)
+        source = NvmlSource(environment.nvml_api)
         try:
             await source.init()
             return await source.read()
         finally:
             await source.close()
+            await environment.stop()
 
     try:
         reading = asyncio.run(read())

@@ -373,6 +373,18 @@ class ExporterWorker:
 
     # ---- health ------------------------------------------------------------------------------
 
+    def health_now(self) -> ExporterHealth:
+        """The last known health, without probing."""
+        if self.consecutive_failures:
+            reason = self.last_error
+            if self.store.batches:
+                reason = f"{reason}; {self.store.batches} batches held in {self.store.describe()}"
+            return ExporterHealth(ok=False, reason=reason, losing=self.dropped_since_success > 0)
+        probe = self._health[1] if self._health else ExporterHealth(ok=True)
+        if probe.ok and self.store_problem:
+            return ExporterHealth(ok=False, reason=self.store_problem)
+        return probe
+
     async def health(self) -> ExporterHealth:
         """ok, degraded (failing, records held) or unavailable (failing and dropping records)."""
         if self.consecutive_failures:
@@ -443,9 +455,8 @@ class Pipeline:
             self._metrics.records_emitted.labels(record.get("kind", "unknown")).inc()
         await asyncio.gather(*(w.store_now(list(records)) for w in self.workers))
 
-    async def health(self) -> dict[str, ExporterHealth]:
-        results = await asyncio.gather(*(w.health() for w in self.workers))
-        healths = {w.name: h for w, h in zip(self.workers, results, strict=True)}
+    def health(self) -> dict[str, ExporterHealth]:
+        healths = {w.name: w.health_now() for w in self.workers}
         for name, h in healths.items():
             for state in ("ok", "degraded", "unavailable"):
                 self._metrics.exporter_state.labels(name, state).set(1 if h.state == state else 0)

@@ -19,13 +19,14 @@ OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class AgentView(Protocol):
-    registry: CollectorRegistry
-
-    def gpu_metrics(self) -> RenderedMetrics: ...
+class HealthView(Protocol):
     def liveness(self) -> tuple[bool, list[str]]: ...
-    async def readiness(self) -> tuple[bool, list[str]]: ...
-    async def status(self) -> dict[str, Any]: ...
+    def readiness(self) -> tuple[bool, list[str]]: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+class MetricsView(Protocol):
+    def current(self) -> RenderedMetrics: ...
 
 
 def _wants_openmetrics(request: web.Request) -> bool:
@@ -40,27 +41,29 @@ def _json(body: Any, status: int = 200) -> web.Response:
     )
 
 
-def build_app(agent: AgentView) -> web.Application:
+def build_app(
+    page: HealthView, renderer: MetricsView, registry: CollectorRegistry
+) -> web.Application:
     async def gpu_metrics(request: web.Request) -> web.Response:
-        rendered = agent.gpu_metrics()
+        rendered = renderer.current()
         if _wants_openmetrics(request):
             return web.Response(body=rendered.openmetrics, headers={"Content-Type": OPENMETRICS})
         return web.Response(body=rendered.text, headers={"Content-Type": TEXT})
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=encoder(agent.registry), headers={"Content-Type": content_type})
+        return web.Response(body=encoder(registry), headers={"Content-Type": content_type})
 
     async def healthz(request: web.Request) -> web.Response:
-        ok, problems = agent.liveness()
+        ok, problems = page.liveness()
         return _json({"ok": ok, "problems": problems}, 200 if ok else 503)
 
     async def readyz(request: web.Request) -> web.Response:
-        ok, problems = await agent.readiness()
+        ok, problems = page.readiness()
         return _json({"ok": ok, "problems": problems}, 200 if ok else 503)
 
     async def status(request: web.Request) -> web.Response:
-        return _json(await agent.status())
+        return _json(page.status())
 
     app = web.Application()
     app.router.add_get("/gpu/metrics", gpu_metrics)

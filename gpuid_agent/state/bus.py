@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from gpuid_agent.runtime import log
 from gpuid_agent.state.snapshot import NodeSnapshot
@@ -76,6 +76,12 @@ class Subscription:
     async def _iterate(self) -> AsyncIterator[NodeSnapshot]:
         while (snapshot := await self.next()) is not None:
             yield snapshot
+
+    async def feed(self, consumer: Callable[[NodeSnapshot], object]) -> None:
+        """Hand each snapshot to a consumer that only takes note (never blocks), until the
+        bus closes."""
+        async for snapshot in self:
+            consumer(snapshot)
 
 
 class SnapshotBus:

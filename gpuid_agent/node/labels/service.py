@@ -1,5 +1,5 @@
-"""Everything the agent does with its own Node: the API client, the machine identity from the
-Node's providerID, and the labeller task.
+"""Everything the agent does with its own Node's labels: the machine identity from the Node's
+providerID, and the labeller task, over the agent's one API client.
 
 At start the Node is read once (bounded by STARTUP_READ_TIMEOUT) so the first records already
 carry the cloud's machine id; if the API does not answer, the agent starts with the host's
@@ -16,15 +16,9 @@ from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
-from gpuid_agent.runtime.errors import KubeConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import (
-    KubeClient,
-    create_kube_client,
-    read_provider_id,
-    request_counter,
-)
+from gpuid_agent.sources.kube.client import KubeClient, read_provider_id
 from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 
 _log = log.get("labels")
@@ -46,22 +40,18 @@ class NodeLabelling:
         self.node = node
         self.board = board
         self.metrics = metrics.labels
-        self._observer = request_counter(metrics.kube_api_requests)
         self._on_machine = on_machine
         self.kube: KubeClient | None = None
         self.labeler: NodeLabeler | None = None
         self._warned_provider_id: str | None = None
 
-    async def start(self, spawn: Spawn) -> None:
-        try:
-            self.kube = await create_kube_client(self.settings.kube_api, observer=self._observer)
-        except KubeConfigError as exc:
-            self.board.set("kube_api", "unavailable", str(exc))
+    async def start(self, spawn: Spawn, kube: KubeClient | None) -> None:
+        """Read the Node's providerID and start the labeller over the agent's API client."""
+        self.kube = kube
         if self.kube is None:
             why = "KUBE_API=off" if self.settings.kube_api == "off" else "no Kubernetes API"
             self.board.set(COMPONENT, "disabled", why)
             return
-        self.board.set("kube_api", "ok", self.kube.source)
         provider_id = await read_provider_id(self.kube, self.node, within=STARTUP_READ_TIMEOUT)
         if provider_id is not None:
             self.use_provider_id(provider_id)
@@ -113,10 +103,3 @@ class NodeLabelling:
             "desired": dict(desired.labels) if desired is not None else None,
             "rewritten_serials": [repr(s) for s in desired.rewritten] if desired else [],
         }
-
-    async def close(self) -> None:
-        """Close the API client: the agent's one client, shared with the pod cache and the
-        Node conditions writer, which close after this."""
-        if self.kube is not None:
-            await self.kube.close()
-            self.kube = None

@@ -27,6 +27,7 @@ from prometheus_client import Counter
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeConfigError
+from gpuid_agent.runtime.status import StatusBoard
 
 _log = log.get("kube")
 
@@ -215,3 +216,19 @@ async def read_provider_id(kube: KubeClient, node: str, *, within: float) -> str
         return None
     spec = getattr(found, "spec", None)
     return str(getattr(spec, "provider_id", None) or "")
+
+
+async def open_shared_client(
+    mode: str, *, observer: Observer, board: StatusBoard
+) -> KubeClient | None:
+    """The agent's one API client, shared by the labeller, the pod cache and the Node
+    conditions writer, every request counted by `observer`; None without a usable API (an
+    unusable configuration is shown on the status board as `kube_api`)."""
+    try:
+        kube = await create_kube_client(mode, observer=observer)
+    except KubeConfigError as exc:
+        board.set("kube_api", "unavailable", str(exc))
+        return None
+    if kube is not None:
+        board.set("kube_api", "ok", kube.source)
+    return kube

@@ -229,15 +229,16 @@ class PodCache:
         try:
             self._client = shared or await self._client_factory(self._mode)
         except KubeConfigError as exc:
-            self._unreachable(str(exc))
+            self.no_api(str(exc))
             return False
         if self._client is None:
-            self._unreachable("no Kubernetes API configuration found")
+            self.no_api("no Kubernetes API configuration found")
             return False
         self.board.set(COMPONENT, "starting")
         return True
 
-    def _unreachable(self, reason: str) -> None:
+    def no_api(self, reason: str) -> None:
+        """Attribute from the kubelet alone (no pod UIDs, owners or labels)."""
         self.last_error = reason
         self.board.set(COMPONENT, "unavailable", f"{reason}; pods attributed from the kubelet")
         self._ready = True
@@ -281,7 +282,7 @@ class PodCache:
         )
         self.last_error = str(exc)
         if not self._ready:
-            self._unreachable(why)  # do not hold the allocation trail back
+            self.no_api(why)  # do not hold the allocation trail back
         elif self.board.set(COMPONENT, "degraded", f"{why}; serving the cached pods"):
             _log.warning("pod cache degraded", extra={"error": str(exc)[:300]})
 

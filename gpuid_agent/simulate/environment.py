@@ -1,0 +1,54 @@
+"""The simulated node behind one call: `node_environment(settings)` gives the host's sources,
+or with SIMULATE a Python NVML and an in-process kubelet serving pods for the simulated GPUs
+(unless POD_RESOURCES_SOCKET points at another kubelet, as the benchmarks do)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.simulate.kubelet import FakeKubelet, simulated_pods
+from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.sources.host import HostNode, NodeEnvironment
+from gpuid_agent.sources.nvml.api import NvmlApi
+
+
+class SimulatedNode:
+    def __init__(self, settings: Settings, nvml_api: NvmlApi | None = None) -> None:
+        self._node = settings.effective_node_name()
+        self.nvml_api: NvmlApi = nvml_api or SimulatedNvml(
+            settings.simulate, self._node, settings.fault
+        )
+        self._dir: str | None = None
+        self._kubelet: FakeKubelet | None = None
+        if "pod_resources_socket" in settings.model_fields_set:
+            self.pod_resources_socket = settings.pod_resources_socket
+        else:
+            self._dir = tempfile.mkdtemp(prefix="gpuid-kubelet-")
+            self.pod_resources_socket = os.path.join(self._dir, "kubelet.sock")
+
+    def machine(self) -> tuple[str, str]:
+        return f"sim-{self._node}", "simulated"
+
+    async def start(self) -> None:
+        if self._dir is None or not isinstance(self.nvml_api, SimulatedNvml):
+            return
+        pods, allocatable = simulated_pods(self.nvml_api.gpus)
+        self._kubelet = FakeKubelet(self.pod_resources_socket, pods, allocatable)
+        await self._kubelet.start()
+
+    async def stop(self) -> None:
+        if self._kubelet is not None:
+            await self._kubelet.stop()
+            self._kubelet = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def node_environment(settings: Settings, nvml_api: NvmlApi | None = None) -> NodeEnvironment:
+    """The node to read: the host, or the simulated one SIMULATE names."""
+    if settings.simulate:
+        return SimulatedNode(settings, nvml_api)
+    return HostNode(settings, nvml_api)

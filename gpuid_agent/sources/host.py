@@ -1,0 +1,44 @@
+"""The node the agent runs on, as its sources see it: the NVML library, the kubelet's
+pod-resources socket and the host's machine identity. A simulated node
+(`gpuid_agent.simulate.environment`) offers the same surface, so the wiring never asks which
+one it has."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.sources.machine import local_machine_id
+from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
+
+
+class NodeEnvironment(Protocol):
+    nvml_api: NvmlApi
+    pod_resources_socket: str
+
+    def machine(self) -> tuple[str, str]:
+        """(machine id, where it came from) before the Kubernetes API says better."""
+        ...
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class HostNode:
+    """A real GPU node: the driver's NVML and the kubelet's socket."""
+
+    def __init__(self, settings: Settings, nvml_api: NvmlApi | None = None) -> None:
+        self._settings = settings
+        self.nvml_api: NvmlApi = nvml_api or PynvmlApi(settings.nvml_library_path)
+        self.pod_resources_socket = settings.pod_resources_socket
+
+    def machine(self) -> tuple[str, str]:
+        s = self._settings
+        found = local_machine_id(s.dmi_product_uuid_path, s.machine_id_path)
+        return found if found else (s.effective_node_name(), "node_name")
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

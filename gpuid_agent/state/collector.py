@@ -1,0 +1,219 @@
+"""The collector: reads the node through its sources and publishes one `NodeSnapshot` per change.
+
+A new snapshot follows every NVML collection, every XID event and every attribution change
+(kubelet or pod metadata); consumers subscribe to the `SnapshotBus` and never call each other.
+The collector is the only writer of the node's state, so it needs no locks: XID events arrive
+from their thread through `call_soon_threadsafe`.
+
+A collection that does not finish within STALL_TIMEOUT (an NVML call hung in the driver) makes
+`stalled()` say so: liveness fails and the kubelet restarts a wedged agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gpuid_agent.model import GpuSample, NodeInventory
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import NvmlError
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.retry import Backoff
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.nvml.reader import NvmlReading, NvmlSource, with_health_fields
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.state.attribution import count_allocatable_gpus
+from gpuid_agent.state.attribution.service import Attributor
+from gpuid_agent.state.bus import SnapshotBus
+from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.health.monitor import HealthMonitor
+from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.snapshot import Cause, NodeSnapshot
+
+_log = log.get("collector")
+NVML_BACKOFF_MAX = 300.0
+
+
+@dataclass(slots=True)
+class NodeIdentity:
+    """Who this node is; the machine id may improve while the agent runs (providerID)."""
+
+    node: str
+    cluster: str
+    machine: str
+    machine_source: str
+
+    def use_machine(self, machine: str, source: str) -> None:
+        """A better machine id: the next snapshot carries it, so a change is an inventory
+        change with new records."""
+        if (machine, source) != (self.machine, self.machine_source):
+            _log.info("machine identity", extra={"machine": machine, "machine_source": source})
+            self.machine, self.machine_source = machine, source
+
+
+class Collector:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        nvml: NvmlSource,
+        health: HealthMonitor,
+        attributor: Attributor,
+        bus: SnapshotBus,
+        *,
+        metrics: AgentMetrics,
+        board: StatusBoard,
+        interval: float,
+        stall_after: float,
+    ) -> None:
+        self.identity = identity
+        self.nvml = nvml
+        self.health = health
+        self.attributor = attributor
+        self.bus = bus
+        self._metrics = metrics
+        self._board = board
+        self._interval = interval
+        self._stall_after = stall_after
+        self._backoff = Backoff(interval, max(interval, NVML_BACKOFF_MAX))
+        self.inventory: NodeInventory | None = None
+        self.samples: dict[str, GpuSample] = {}
+        self._seq = 0
+        self._busy_since: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # GPUs the kubelet can allocate (None without GetAllocatableResources); compared with
+        # NVML's count when EXPECTED_GPU_COUNT is -1.
+        self.allocatable_gpu_count: Callable[[], int | None] = lambda: count_allocatable_gpus(
+            attributor.source.current(), self.inventory
+        )
+        board.set("nvml", "starting")
+
+    # ---- snapshots -------------------------------------------------------------------------
+
+    def _publish(self, cause: Cause, transitions: list[Transition] | None = None) -> None:
+        if self.inventory is None:
+            return
+        attribution = self.attributor.refresh(self.inventory)
+        self._seq += 1
+        self.bus.publish(
+            NodeSnapshot(
+                seq=self._seq,
+                cause=cause,
+                inventory=self.inventory,
+                samples=self.samples,
+                health=self.health.snapshot(),
+                attribution=attribution,
+                transitions=tuple(transitions or ()),
+                pods_ready=self.attributor.pods_ready,
+            )
+        )
+
+    # ---- collection ------------------------------------------------------------------------
+
+    async def collect_once(self) -> bool:
+        """One pass over NVML and a snapshot; False when NVML is unavailable (the reason is
+        on the status board)."""
+        self._busy_since = time.monotonic()
+        try:
+            return await self._collect()
+        finally:
+            self._busy_since = None
+
+    async def _collect(self) -> bool:
+        started = time.perf_counter()
+        try:
+            if not self.nvml.initialised:
+                await self.nvml.init()
+            reading = await self.nvml.read()
+        except NvmlError as exc:
+            self._nvml_down(str(exc), "read" if self.nvml.initialised else "init")
+            return False
+        self._metrics.collection_duration.observe(time.perf_counter() - started)
+        if reading.errors:
+            self._metrics.collection_errors.labels("field").inc(reading.errors)
+        if reading.lost:
+            self._metrics.collection_errors.labels("gpu_lost").inc(len(reading.lost))
+        ident = self.identity
+        self.inventory = build_inventory(
+            reading.gpus,
+            node=ident.node,
+            cluster=ident.cluster,
+            machine=ident.machine,
+            machine_source=ident.machine_source,
+            driver_version=reading.driver_version,
+            cuda_driver_version=reading.cuda_driver_version,
+            read_time=datetime.now(UTC),
+        )
+        signals, transitions = await self._check_health(self.inventory, reading)
+        # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too
+        self.samples = with_health_fields(reading.samples, signals.values())
+        self._publish("collection", transitions)
+        self._metrics.gpu_count.set(len(self.inventory.gpus))
+        self._metrics.nvml_up.set(1)
+        if reading.lost:
+            lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))
+            self._board.set("nvml", "degraded", f"unreadable: {lost}")
+        else:
+            self._board.set("nvml", "ok")
+        return True
+
+    async def _check_health(
+        self, inventory: NodeInventory, reading: NvmlReading
+    ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
+        self._loop = asyncio.get_running_loop()
+        try:
+            return await self.health.check(
+                inventory, reading, self.nvml, self.allocatable_gpu_count()
+            )
+        except NvmlError as exc:
+            self._board.set("health", "degraded", f"health read failed: {exc}")
+        except Exception as exc:  # a health bug must not stop collection
+            _log.exception("health check failed")
+            self._board.set("health", "degraded", f"health read failed: {exc!r}")
+        return {}, []
+
+    def _nvml_down(self, reason: str, stage: str) -> None:
+        self._metrics.nvml_up.set(0)
+        self._metrics.collection_errors.labels(stage).inc()
+        self._board.set("nvml", "unavailable", reason)
+
+    async def run(self) -> None:
+        while True:
+            if await self.collect_once():
+                self._backoff.reset()
+                delay = self._interval
+            else:
+                # a fleet whose driver came back at once must not retry in lockstep
+                delay = max(self._interval, self._backoff.next())
+            await asyncio.sleep(delay)
+
+    def stalled(self) -> str | None:
+        """Why the collector counts as stalled (a pass or an NVML call past the bound)."""
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self._stall_after:
+            return f"collection running for {time.monotonic() - busy:.0f}s"
+        return None
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def xid_from_thread(self, event: XidEvent) -> None:
+        """Called on the XID thread: hand the event to the loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
+                loop.call_soon_threadsafe(self._on_xid, event)
+
+    def _on_xid(self, event: XidEvent) -> None:
+        self._publish("xid", self.health.record_xid(event))
+
+    async def follow_attribution(self) -> None:
+        """A new snapshot whenever the kubelet mapping or the pod metadata changes."""
+        while True:
+            await self.attributor.wait_changed()
+            if self.inventory is None:
+                self.attributor.refresh(None)
+            else:
+                self._publish("attribution")

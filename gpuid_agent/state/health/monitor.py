@@ -1,0 +1,100 @@
+"""GPU health in one place: the signals read each collection, the XID watcher, and the
+tracker that judges them. The collector calls `check` once per collection and `record_xid`
+per event; both return the check transitions, which travel in the next snapshot (health
+records, logs) while `snapshot()` is the current verdict (/gpu/metrics, Node conditions)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.reader import NvmlReading, NvmlSource
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.sources.nvml.xid import XidWatcher
+from gpuid_agent.state.health.model import NodeHealth, Transition
+from gpuid_agent.state.health.tracker import HealthTracker
+
+_log = log.get("health")
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        settings: Settings,
+        nvml: NvmlSource,
+        board: StatusBoard,
+        on_xid: Callable[[XidEvent], None],
+    ) -> None:
+        self.tracker = HealthTracker(window=settings.health_window, xid_hold=settings.xid_hold)
+        self.reader = HealthReader(nvml.reader.api)
+        # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
+        # long stopping the XID thread takes.
+        wait_ms = int(min(1000.0, max(50.0, settings.collect_interval * 1000)))
+        self.xid = XidWatcher(nvml.reader.api, on_xid, wait_ms=wait_ms)
+        self._expected = settings.expected_gpu_count
+        self._board = board
+
+    def snapshot(self) -> NodeHealth:
+        return self.tracker.snapshot()
+
+    async def check(
+        self,
+        inventory: NodeInventory,
+        reading: NvmlReading,
+        nvml: NvmlSource,
+        allocatable: int | None,
+    ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
+        readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
+        signals = await nvml.run(lambda: self.reader.read(readable))
+        self.xid.watch(readable)
+        expected, source = (
+            (self._expected, "EXPECTED_GPU_COUNT")
+            if self._expected >= 0
+            else (allocatable, "kubelet allocatable")
+        )
+        transitions = self.tracker.observe(
+            inventory.gpus,
+            signals,
+            reading.lost,
+            expected_gpus=expected,
+            expected_source=source,
+            xid_unsupported=self.xid.unsupported,
+            xid_unavailable=self.xid.unavailable,
+        )
+        if self.xid.unavailable:
+            self._board.set("health", "degraded", self.xid.unavailable)
+        else:
+            self._board.set("health", "ok")
+        _log_transitions(transitions)
+        return signals, transitions
+
+    async def close(self, within: float) -> None:
+        if not await asyncio.to_thread(self.xid.stop, within):
+            _log.warning("XID thread still waiting at shutdown")
+
+    def record_xid(self, event: XidEvent) -> list[Transition]:
+        transitions = self.tracker.record_xid(event)
+        _log_transitions(transitions)
+        return transitions
+
+
+def _log_transitions(transitions: list[Transition]) -> None:
+    for t in transitions:
+        level = 30 if t.current.state in ("degraded", "unhealthy") else 20
+        _log.log(
+            level,
+            f"GPU health: {t.check} is {t.current.state}",
+            extra={
+                "gpu": t.index,
+                "uuid": t.uuid,
+                "check": t.check,
+                "previous": t.previous.state if t.previous else None,
+                "reason": t.current.reason,
+                "action": t.current.action,
+            },
+        )
