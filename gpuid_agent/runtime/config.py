@@ -127,7 +127,7 @@ class Settings(BaseSettings):
     stall_timeout: Duration = Field(
         0.0,
         description="A collection or NVML call running longer than this marks the collector "
-        "stalled and fails /healthz; 0: 3 × COLLECT_INTERVAL, at least 30s.",
+        "stalled and fails /healthz; 0: three COLLECT_INTERVALs, at least 30s.",
     )
     heartbeat_interval: PositiveDuration = Field(
         3600.0, description="Re-emit reading records this often even without change."
