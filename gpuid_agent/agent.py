@@ -18,6 +18,7 @@ from aiohttp import web
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.delivery.factory import build_delivery
+from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.conditions import NodeConditionWriter
 from gpuid_agent.node.labels.service import NodeLabelling
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
@@ -33,14 +34,12 @@ from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.serving.status_page import StatusPage
 from gpuid_agent.simulate.environment import node_environment
 from gpuid_agent.sources.kube.client import KubeClient, open_shared_client, request_counter
-from gpuid_agent.sources.kube.pods import PodCache
-from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.reader import NvmlSource
-from gpuid_agent.state.attribution.service import Attributor
+from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
-from gpuid_agent.state.health.monitor import HealthMonitor
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("agent")
 
@@ -61,38 +60,15 @@ class Agent:
         self.pipeline = build_delivery(s, self.metrics, exporters)
         self.identity = NodeIdentity(node, s.cluster_name, *self.environment.machine())
         self.source = f"{s.pod_namespace}/{s.pod_name}" if s.pod_name else f"gpuid-agent/{node}"
-        am = self.metrics.attribution
-        self.pod_resources = PodResourcesSource(
-            PodResourcesClient(
-                self.environment.pod_resources_socket, timeout=s.pod_resources_timeout
-            ),
-            interval=s.pod_resources_interval,
-            stale_after=s.pod_resources_stale_after,
-            resources=ResourceMatcher(s.gpu_resource_names),
-            board=self.board,
-            metrics=am,
+        self.attributor, self.pods = build_attributor(
+            s, self.environment.pod_resources_socket, self.board, self.metrics.attribution
         )
-        self.attributor = Attributor(
-            self.pod_resources, label_allowlist=s.pod_label_allowlist, metrics=am
-        )
-        self.pods = None if s.kube_api == "off" else PodCache(
-            node, board=self.board, changed=self.attributor.changed,
-            label_allowlist=s.pod_label_allowlist, metrics=am, mode=s.kube_api,
-        )  # fmt: skip
-        self.attributor.pods = self.pods
-        nvml = NvmlSource(self.environment.nvml_api)
-        self.health = HealthMonitor(
-            s,
-            nvml,
-            self.board,
-            lambda e: self.collector.xid_from_thread(e),  # noqa: PLW0108
-        )  # the collector, built next, takes the XID events
-        self.xid = self.health.xid
+        self.pod_resources = self.attributor.source
         self.collector = Collector(
-            self.identity, nvml, self.health, self.attributor, self.bus,
+            s, self.identity, NvmlSource(self.environment.nvml_api), self.attributor, self.bus,
             metrics=self.metrics, board=self.board,
-            interval=s.collect_interval, stall_after=s.effective_stall_timeout(),
         )  # fmt: skip
+        self.health, self.xid = self.collector.health, self.collector.health.xid
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
         self.emitter = ReadingEmitter(
             source=self.source, heartbeat_interval=s.heartbeat_interval,
@@ -115,25 +91,35 @@ class Agent:
         self.bound_port: int | None = None
 
     @property
-    def inventory(self):  # type: ignore[no-untyped-def]
+    def inventory(self) -> NodeInventory | None:
         return self.collector.inventory
 
     @property
     def machine(self) -> str:
         return self.identity.machine
 
-    async def start(self) -> None:
-        log.set_context(node=self.identity.node)
-        self._runner = web.AppRunner(
-            build_app(self.page, self.renderer, self.registry), access_log=None,
-            handle_signals=False,
-        )  # fmt: skip
+    async def _serve(self) -> None:
+        app = build_app(self.page, self.renderer, self.registry)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         s = self.settings
         site = web.TCPSite(self._runner, s.server_address, s.server_port, reuse_address=True)
         await site.start()
         sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else s.server_port
+
+    def _allocations(self, snapshot: NodeSnapshot) -> None:
+        # once pod metadata is in, so allocation ids carry the pod UID from the first record
+        if snapshot.pods_ready:
+            self.trail.offer(snapshot.attribution, snapshot.inventory)
+
+    def _health(self, snapshot: NodeSnapshot) -> None:
+        records = health_records(snapshot.transitions, snapshot.inventory, source=self.source)
+        self.health_records.offer(records)
+
+    async def start(self) -> None:
+        log.set_context(node=self.identity.node)
+        await self._serve()
         await self.environment.start()
         spawn, bus = self.supervisor.spawn, self.bus
         for worker in self.pipeline.workers:
@@ -145,18 +131,13 @@ class Agent:
             bus.subscribe("readings").feed(lambda n: self.emitter.offer(n.inventory)),
         )
         spawn("allocations", self.trail.run())
-        spawn("allocations-feed", bus.subscribe("allocations").feed(
-            lambda n: self.trail.offer(n.attribution, n.inventory) if n.pods_ready else None
-        ))  # fmt: skip
+        spawn("allocations-feed", bus.subscribe("allocations").feed(self._allocations))
         spawn("health-records", self.health_records.run())
-        spawn("health-feed", bus.subscribe("health", events=True).feed(
-            lambda n: self.health_records.offer(
-                health_records(n.transitions, n.inventory, source=self.source)
-            )
-        ))  # fmt: skip
+        spawn("health-feed", bus.subscribe("health", events=True).feed(self._health))
         observer = request_counter(self.metrics.kube_api_requests)
-        kube = await open_shared_client(s.kube_api, observer=observer, board=self.board)
-        self.kube = kube
+        kube = self.kube = await open_shared_client(
+            self.settings.kube_api, observer=observer, board=self.board
+        )
         await self.labelling.start(spawn, kube)
         spawn(
             "labels-feed", bus.subscribe("labels").feed(lambda n: self.labelling.offer(n.inventory))
@@ -167,11 +148,12 @@ class Agent:
             spawn("pods", self.pods.run())
         spawn("pod-resources", self.pod_resources.run())
         spawn("attribution", self.collector.follow_attribution())
-        if self.conditions is not None and await self.conditions.open(kube):
-            spawn("node-conditions", self.conditions.run())
-            spawn("conditions-feed", bus.subscribe("conditions").feed(
-                lambda n: self.conditions.offer(n.health) if self.conditions else None
-            ))  # fmt: skip
+        if (conditions := self.conditions) is not None and conditions.open(kube):
+            spawn("node-conditions", conditions.run())
+            spawn(
+                "conditions-feed",
+                bus.subscribe("conditions").feed(lambda n: conditions.offer(n.health)),
+            )
         spawn("readiness", self.page.run())
         spawn("collector", self.collector.run())
         _log.info(
@@ -180,7 +162,7 @@ class Agent:
                 "version": __version__,
                 "port": self.bound_port,
                 "exporters": [w.name for w in self.pipeline.workers],
-                "simulate": s.simulate or None,
+                "simulate": self.settings.simulate or None,
                 "pid": os.getpid(),
             },
         )
@@ -207,8 +189,7 @@ class Agent:
         for worker in self.pipeline.workers:
             worker.close_intake()
         names = [f"exporter:{w.name}" for w in self.pipeline.workers]
-        flushed = await asyncio.gather(*(sup.wait(n, left()) for n in names))
-        if not all(flushed):
+        if not all(await asyncio.gather(*(sup.wait(n, left()) for n in names))):
             pending = sum(w.pending for w in self.pipeline.workers)
             _log.error("grace period over with records unsent", extra={"pending": pending})
         await sup.stop()

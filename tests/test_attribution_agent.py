@@ -39,7 +39,7 @@ def make_agent(fake: FakeNvml, kubelet: FakeKubelet, **overrides: Any) -> Agent:
 
 def rendered_with_pods(agent: Agent) -> bool:
     """/gpu/metrics has been rendered with at least one holder (renders run in a thread)."""
-    return b"gpuid_gpu_allocation_info{" in agent.gpu_metrics().text
+    return b"gpuid_gpu_allocation_info{" in agent.renderer.current().text
 
 
 async def scrape(agent: Agent, path: str = "/gpu/metrics") -> dict[str, Any]:

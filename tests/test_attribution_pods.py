@@ -242,7 +242,7 @@ async def test_agent_labels_and_trail_carry_the_workload(
     async with running_agent(agent), aiohttp.ClientSession() as http:
         await eventually(lambda: out.getvalue().count(b'"kind":"allocation"') >= 3)
         url = f"http://127.0.0.1:{agent.bound_port}/gpu/metrics"
-        await eventually(lambda: b'workload_name="web"' in agent.gpu_metrics().text)
+        await eventually(lambda: b'workload_name="web"' in agent.renderer.current().text)
         before = pod_requests(kube)
         for _ in range(10):
             async with http.get(url) as resp:

@@ -87,7 +87,7 @@ async def test_dead_sink_blocks_neither_producer_nor_other_exporters(
     postgres = pipeline.workers[0]
     await eventually(lambda: postgres.store.records == 200 and postgres.consecutive_failures > 0)
     assert {p.name for p in tmp_path.iterdir()} == {"postgres", "http", "stdout"}
-    healths = await pipeline.health()
+    healths = pipeline.health()
     assert healths["postgres"].state == "degraded"
     assert "held in" in (healths["postgres"].reason or "")
     assert healths["http"].state == "ok"
@@ -131,7 +131,7 @@ async def test_memory_only_sink_drops_oldest_instead_of_blocking(
         )
         >= 80
     )
-    healths = await pipeline.health()
+    healths = pipeline.health()
     assert healths["http"].state == "unavailable"
     assert not Pipeline.ready(healths)
 
@@ -157,7 +157,7 @@ async def test_every_sink_down_then_back_loses_nothing(
             records += batch
             await pipeline.publish(batch)
         await eventually(lambda: all(w.consecutive_failures >= 2 for w in pipeline.workers))
-        healths = await pipeline.health()
+        healths = pipeline.health()
         assert {h.state for h in healths.values()} == {"degraded"}
     finally:
         await asyncio.to_thread(postgres.start_server)
@@ -217,7 +217,7 @@ async def test_shutdown_keeps_undelivered_batches_in_the_spool(
 def test_unused_exporters_libraries_are_not_imported() -> None:
     script = """
 import sys
-from gpuid_agent.agent import make_exporters
+from gpuid_agent.delivery.factory import make_exporters
 from gpuid_agent.runtime.config import Settings
 chosen = sys.argv[1]
 extra = {"http": {"http_endpoint": "http://127.0.0.1:1/x"}, "postgres": {"postgres_host": "h"},

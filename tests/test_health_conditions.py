@@ -95,7 +95,7 @@ async def test_api_errors_are_retried_and_reported_without_touching_readiness(
     async with running_agent(_agent(api)) as agent:
         await eventually(lambda: agent.board.get("node-conditions").state == "degraded")  # type: ignore[union-attr]
         assert "403" in (agent.board.get("node-conditions").reason or "")  # type: ignore[union-attr]
-        ready, problems = await agent.readiness()
+        ready, problems = agent.page.readiness()
         assert ready, problems
         await eventually(lambda: _conditions(kube).get("GpuLost", {}).get("status") == "True")
         assert agent.board.get("node-conditions").state == "ok"  # type: ignore[union-attr]
@@ -111,7 +111,7 @@ async def test_without_an_api_configuration_the_agent_runs_on(
         state = agent.board.get("node-conditions")
         assert state is not None and state.state == "unavailable"
         await eventually(lambda: agent.inventory is not None)
-        assert agent.liveness()[0]
+        assert agent.page.liveness()[0]
 
 
 def test_condition_messages_name_every_unhealthy_gpu_and_stay_bounded() -> None:

@@ -255,11 +255,11 @@ async def test_expected_count_from_the_allocatable_hook(fake_nvml: FakeNvml) -> 
     config = fakenvml.gb200x4()
     async with agent_on(fake_nvml, config) as run:
         assert run.agent.health.snapshot().node_checks["gpu_count"].state == "unknown"
-        run.agent.allocatable_gpu_count = lambda: 4
+        run.agent.collector.allocatable_gpu_count = lambda: 4
         await eventually(
             lambda: run.agent.health.snapshot().node_checks["gpu_count"].state == "healthy"
         )
-        run.agent.allocatable_gpu_count = lambda: 5
+        run.agent.collector.allocatable_gpu_count = lambda: 5
         await eventually(
             lambda: run.agent.health.snapshot().node_checks["gpu_count"].state == "unhealthy"
         )

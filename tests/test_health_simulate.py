@@ -198,11 +198,11 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
         Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
     ) as agent:
         await eventually(lambda: agent.xid.alive and agent.health.snapshot().gpus)
-        await eventually(lambda: b"gpuid_gpu_health_state" in agent.gpu_metrics().text)
+        await eventually(lambda: b"gpuid_gpu_health_state" in agent.renderer.current().text)
         api.inject_xid(3, 48)
         await eventually(lambda: agent.health.snapshot().gpus[3].last_xid == 48)
         families = {
-            f.name: f for f in text_string_to_metric_families(agent.gpu_metrics().text.decode())
+            f.name: f for f in text_string_to_metric_families(agent.renderer.current().text.decode())
         }
         last = {s.labels["gpu"]: s.value for s in families["DCGM_FI_DEV_XID_ERRORS"].samples}
         assert last["3"] == 48 and last["0"] == 0

@@ -160,7 +160,7 @@ async def test_broken_kubeconfig_is_reported_not_fatal(
         assert api is not None
         assert api.state == "unavailable"
         assert "unusable" in (api.reason or "")
-        ready, _ = await agent.readiness()
+        ready, _ = agent.page.readiness()
         assert ready  # labelling trouble does not take the agent out of service
 
 

@@ -24,9 +24,8 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import KubeConfigError
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient
 from gpuid_agent.state.health.model import NodeHealth
 
 _log = log.get("node_conditions")
@@ -89,40 +88,26 @@ def _rfc3339(moment: datetime) -> str:
 
 
 class NodeConditionWriter:
-    def __init__(
-        self, node: str, board: StatusBoard, *, kube_api: str = "auto", timeout: float = 10.0
-    ) -> None:
+    def __init__(self, node: str, board: StatusBoard, *, timeout: float = 10.0) -> None:
         self.node = node
         self._board = board
-        self._mode = kube_api
         self._timeout = timeout
         self._client: KubeClient | None = None
-        self._owns_client = True
         self._latest: NodeHealth | None = None
         self._wake = asyncio.Event()
         # what the Node carries for our types: status and lastTransitionTime; None: not read
         self._on_node: dict[str, tuple[Condition, str]] | None = None
         self.writes = 0
 
-    async def open(self, shared: KubeClient | None = None) -> bool:
-        """Use the agent's API client (`shared`, not closed here) or find one; False (and the
-        reason on /status) when there is none."""
-        self._owns_client = shared is None
-        try:
-            self._client = shared or await create_kube_client(self._mode)
-        except KubeConfigError as exc:
-            self._board.set(COMPONENT, "unavailable", str(exc))
-            return False
-        if self._client is None:
+    def open(self, client: KubeClient | None) -> bool:
+        """Write through the agent's API client; False (and the reason on /status) when
+        there is none."""
+        self._client = client
+        if client is None:
             self._board.set(COMPONENT, "unavailable", "no Kubernetes API configuration found")
             return False
         self._board.set(COMPONENT, "starting")
         return True
-
-    async def close(self) -> None:
-        if self._client is not None and self._owns_client:
-            await self._client.close()
-        self._client = None
 
     def offer(self, health: NodeHealth) -> None:
         self._latest = health

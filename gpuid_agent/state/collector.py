@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.errors import NvmlError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.retry import Backoff
@@ -58,26 +59,24 @@ class NodeIdentity:
 class Collector:
     def __init__(
         self,
+        settings: Settings,
         identity: NodeIdentity,
         nvml: NvmlSource,
-        health: HealthMonitor,
         attributor: Attributor,
         bus: SnapshotBus,
         *,
         metrics: AgentMetrics,
         board: StatusBoard,
-        interval: float,
-        stall_after: float,
     ) -> None:
         self.identity = identity
         self.nvml = nvml
-        self.health = health
+        self.health = HealthMonitor(settings, nvml, board, self.on_xid)
         self.attributor = attributor
         self.bus = bus
         self._metrics = metrics
         self._board = board
-        self._interval = interval
-        self._stall_after = stall_after
+        interval = self._interval = settings.collect_interval
+        self._stall_after = settings.effective_stall_timeout()
         self._backoff = Backoff(interval, max(interval, NVML_BACKOFF_MAX))
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
@@ -199,14 +198,14 @@ class Collector:
 
     # ---- events ----------------------------------------------------------------------------
 
-    def xid_from_thread(self, event: XidEvent) -> None:
+    def on_xid(self, event: XidEvent) -> None:
         """Called on the XID thread: hand the event to the loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop may close meanwhile
-                loop.call_soon_threadsafe(self._on_xid, event)
+                loop.call_soon_threadsafe(self._xid, event)
 
-    def _on_xid(self, event: XidEvent) -> None:
+    def _xid(self, event: XidEvent) -> None:
         self._publish("xid", self.health.record_xid(event))
 
     async def follow_attribution(self) -> None:

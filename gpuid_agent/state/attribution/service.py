@@ -12,14 +12,44 @@ from prometheus_client import CollectorRegistry
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AttributionMetrics
-from gpuid_agent.sources.kube.pods import PodDirectory
-from gpuid_agent.sources.kubelet import PodResourcesSource
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.pods import PodCache, PodDirectory
+from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
 from gpuid_agent.state.attribution.mapping import attribute
 from gpuid_agent.state.attribution.model import UNAVAILABLE, Attribution, Unmapped
 
 _log = log.get("attribution")
 _EXAMPLES = 5
+
+
+def build_attributor(
+    settings: Settings, socket_path: str, board: StatusBoard, metrics: AttributionMetrics
+) -> tuple[Attributor, PodCache | None]:
+    """The kubelet poller and, unless KUBE_API=off, the node's pod cache, behind one
+    Attributor; the cache is returned too, for the wiring to open and run."""
+    node = settings.effective_node_name()
+    source = PodResourcesSource(
+        PodResourcesClient(socket_path, timeout=settings.pod_resources_timeout),
+        interval=settings.pod_resources_interval,
+        stale_after=settings.pod_resources_stale_after,
+        resources=ResourceMatcher(settings.gpu_resource_names),
+        board=board,
+        metrics=metrics,
+    )
+    attributor = Attributor(source, label_allowlist=settings.pod_label_allowlist, metrics=metrics)
+    pods = None
+    if settings.kube_api != "off":
+        pods = attributor.pods = PodCache(
+            node,
+            board=board,
+            changed=attributor.changed,
+            label_allowlist=settings.pod_label_allowlist,
+            metrics=metrics,
+            mode=settings.kube_api,
+        )
+    return attributor, pods
 
 
 class Attributor:
