@@ -111,3 +111,26 @@ def test_quickstart_uses_existing_profiles_and_chart_values() -> None:
     assert set(profiles) <= set(PROFILES)
     assert "helm install" in text
     assert "charts/gpuid-agent" in text
+
+
+def test_batching_defaults_are_the_same_in_code_chart_and_docs() -> None:
+    """FLUSH_INTERVAL and BATCH_SIZE: one default, wherever an operator reads it."""
+    from gpuid_agent.delivery.pipeline import BatchPolicy
+
+    values = (ROOT / "charts" / "gpuid-agent" / "values.yaml").read_text(encoding="utf-8")
+    exporters = (DOCS / "exporters" / "README.md").read_text(encoding="utf-8")
+    configuration = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    for env, key, code in (
+        ("FLUSH_INTERVAL", "flushInterval", Settings.model_fields["flush_interval"].default),
+        ("BATCH_SIZE", "batchSize", Settings.model_fields["batch_size"].default),
+    ):
+        policy = getattr(BatchPolicy(), env.lower())
+        assert policy == code, f"BatchPolicy's {env} default differs from the setting's"
+        shown = f"{code:g}s" if env == "FLUSH_INTERVAL" else str(code)
+        chart = re.search(rf"^\s+{key}: (\S+)", values, re.M)
+        assert chart and chart.group(1) == shown, f"chart {key} is not {shown}"
+        for page, text in (("configuration.md", configuration), ("exporters", exporters)):
+            row = re.search(rf"^\| `{env}` \|[^\n]*", text, re.M)
+            # configuration.md: | `ENV` | `--flag` | `default` |; exporters: | `ENV` | `default` |
+            cells = re.findall(r"`([^`]+)`", row.group(0)) if row else []
+            assert shown in cells, f"{page} shows {env} default {cells}, not {shown}"
