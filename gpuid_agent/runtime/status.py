@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from gpuid_agent.runtime import log
 
-State = Literal["starting", "ok", "degraded", "unavailable", "disabled"]
+State = Literal["starting", "ok", "degraded", "unavailable", "stalled", "disabled"]
 _log = log.get("status")
 
 
@@ -32,7 +32,7 @@ class StatusBoard:
         if current is not None and current.state == state and current.reason == reason:
             return False
         self._components[name] = ComponentState(state, reason, datetime.now(UTC))
-        level = 30 if state in ("degraded", "unavailable") else 20
+        level = 30 if state in ("degraded", "unavailable", "stalled") else 20
         _log.log(level, f"{name} is {state}", extra={"target": name, "reason": reason})
         return True
 

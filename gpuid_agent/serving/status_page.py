@@ -54,6 +54,9 @@ class StatusPage:
         stalled = self._collector.stalled()
         if stalled is not None:
             problems.append(f"collector stalled: {stalled}")
+            self._board.set("collector", "stalled", stalled)
+        else:
+            self._board.set("collector", "ok")
         return not problems, problems
 
     def readiness(self) -> tuple[bool, list[str]]:
