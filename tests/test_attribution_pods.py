@@ -171,7 +171,8 @@ async def test_forbidden_list_leaves_the_kubelet_alone_in_charge(
     task = await running(cache)
     try:
         state = cache.board.get("kube-pods")
-        assert state is not None and state.state == "unavailable"
+        # unavailable at first; a retry (full jitter: possibly at once) may say degraded
+        assert state is not None and state.state in ("unavailable", "degraded")
         assert "forbidden" in (state.reason or "")
         assert cache.lookup("default", "anything") is None
         kube.clear_faults()  # RBAC fixed: the cache recovers on its own

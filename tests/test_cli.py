@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
 
@@ -84,6 +85,25 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], within: float = 20) ->
     raise AssertionError("agent did not become ready")
 
 
+def _wait_emitted(port: int, counts: dict[str, float], within: float = 20) -> None:
+    """Poll /metrics until gpuid_records_emitted_total reaches `counts` for each kind."""
+    deadline = time.monotonic() + within
+    seen: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as resp:
+            text = resp.read().decode()
+        seen = {
+            sample.labels["kind"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "gpuid_records_emitted_total"
+        }
+        if all(seen.get(kind, 0) >= n for kind, n in counts.items()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"records emitted {seen}, expected at least {counts}")
+
+
 def test_sigterm_flushes_every_queued_record(subprocess_env: dict[str, str]) -> None:
     port = free_port()
     env = subprocess_env | {
@@ -101,7 +121,8 @@ def test_sigterm_flushes_every_queued_record(subprocess_env: dict[str, str]) -> 
     )
     try:
         _wait_ready(port, proc)
-        time.sleep(0.3)
+        # the first collection is queued (readings and allocation starts) before the signal
+        _wait_emitted(port, {"reading": 8, "allocation": 8})
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)
     finally:

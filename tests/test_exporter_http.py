@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime, timedelta
-from email.utils import format_datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent import __version__
-from gpuid_agent.delivery.exporters.http import (
-    EXCERPT_CHARS,
-    RETRY_AFTER_CAP,
-    HttpExporter,
-    excerpt,
-    parse_retry_after,
-)
+from gpuid_agent.delivery.exporters.http import EXCERPT_CHARS, HttpExporter, excerpt
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
@@ -127,6 +119,20 @@ async def test_retry_after_is_honoured(make: Factory, receiver: Receiver) -> Non
     assert second.at - first.at >= 0.95
 
 
+@pytest.mark.parametrize(
+    ("header", "expected"), [("7", 7.0), ("86400", 300.0), ("1.5", None), ("-5", None)]
+)
+async def test_retry_after_header_is_read_by_the_one_parser(
+    make: Factory, receiver: Receiver, header: str, expected: float | None
+) -> None:
+    receiver.plan.append(Reply(429, headers={"Retry-After": header}))
+    exporter = make()
+    with pytest.raises(ExportError) as info:
+        await exporter.export(readings(1))
+    assert info.value.retryable
+    assert info.value.retry_after == expected
+
+
 async def test_400_is_set_aside_not_looped(
     make: Factory, receiver: Receiver, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -187,21 +193,6 @@ async def test_custom_ca_bundle(tmp_path: Path) -> None:
         await default.close()
         await server.stop()
     assert len(server.requests) == 1
-
-
-@given(st.one_of(st.none(), st.text(max_size=60), st.from_regex(r"\s*\d{1,30}\s*", fullmatch=True)))
-def test_retry_after_parser_survives_anything(value: str | None) -> None:
-    seconds = parse_retry_after(value)
-    assert seconds is None or 0.0 <= seconds <= RETRY_AFTER_CAP
-
-
-def test_retry_after_forms() -> None:
-    now = datetime(2025, 1, 1, tzinfo=UTC)
-    assert parse_retry_after("7") == 7.0
-    assert parse_retry_after(format_datetime(now + timedelta(seconds=30), usegmt=True), now) == 30.0
-    assert parse_retry_after(format_datetime(now - timedelta(seconds=30), usegmt=True), now) == 0.0
-    assert parse_retry_after("99999999") == RETRY_AFTER_CAP
-    assert parse_retry_after("soon") is None
 
 
 @given(st.text(max_size=1000), st.text(min_size=1, max_size=20))

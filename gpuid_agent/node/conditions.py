@@ -13,7 +13,6 @@ agent sees the check healthy, so a reboot that fixed the GPU also clears the con
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
 from gpuid_agent.state.health.model import NodeHealth
@@ -114,21 +114,19 @@ class NodeConditionWriter:
         self._wake.set()
 
     async def run(self) -> None:
-        failures = 0
+        backoff = Backoff(base=1.0, cap=60.0)
         while True:
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self._sync()
             except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
-                failures += 1
                 reason = _describe(exc)
                 self._board.set(COMPONENT, "degraded", reason)
-                delay = random.uniform(0, min(60.0, 0.5 * 2**failures))
-                await asyncio.sleep(delay)
+                await asyncio.sleep(backoff.next())
                 self._wake.set()  # try again with whatever is latest by then
                 continue
-            failures = 0
+            backoff.reset()
             self._board.set(COMPONENT, "ok")
 
     async def _sync(self) -> None:

@@ -32,6 +32,8 @@ class Backoff:
         return min(self.cap, self.base * 2.0 ** min(self.failures, 62))
 
     def next(self, floor: float | None = None) -> float:
+        """The pause after one more failure: uniform in [0, ceiling()], raised to `floor`
+        (itself capped at RETRY_AFTER_CAP) when one is given."""
         delay = self._rand.uniform(0.0, self.ceiling())
         self.failures += 1
         if floor is not None:
@@ -39,6 +41,7 @@ class Backoff:
         return delay
 
     def reset(self) -> None:
+        """After a success: the next failure starts again from `base`."""
         self.failures = 0
 
 
@@ -61,7 +64,12 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if not text:
         return None
     if text.isascii() and text.isdigit():
-        return min(float(int(text[:12])), RETRY_AFTER_CAP)
+        # more than six significant digits is past the cap anyway; int() of thousands of
+        # digits would raise
+        digits = text.lstrip("0") or "0"
+        if len(digits) > 6:
+            return RETRY_AFTER_CAP
+        return min(float(int(digits)), RETRY_AFTER_CAP)
     if text[0] in "+-." or text[0].isdigit():
         return None  # a number, but not delta-seconds
     try:

@@ -14,8 +14,6 @@ import os
 import re
 import ssl
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -30,37 +28,15 @@ from gpuid_agent.delivery.exporters.base import (
     json_bytes,
 )
 from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.retry import parse_retry_after
 
 if TYPE_CHECKING:
     from gpuid_agent.runtime.config import Settings
 
 USER_AGENT = f"gpuid-agent/{__version__}"
 EXCERPT_CHARS = 200
-RETRY_AFTER_CAP = 300.0
 _GZIP_IN_THREAD = 256 * 1024  # compress bigger bodies off the event loop
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
-
-
-def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta-seconds or HTTP-date), clamped to
-    [0, RETRY_AFTER_CAP]; None when absent or unreadable."""
-    if value is None:
-        return None
-    text = value.strip()
-    if not text:
-        return None
-    seconds: float | None = None
-    if text.isascii() and text.isdigit():
-        seconds = float(int(text[:12]))
-    else:
-        try:
-            when = parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - (now or datetime.now(UTC))).total_seconds()
-    return min(max(seconds, 0.0), RETRY_AFTER_CAP)
 
 
 def excerpt(text: str, *secrets: str) -> str:

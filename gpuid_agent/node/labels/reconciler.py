@@ -26,8 +26,9 @@ from gpuid_agent.node.labels.layout import (
     is_own_label,
 )
 from gpuid_agent.node.labels.metrics import LabelMetrics
-from gpuid_agent.node.labels.policy import Backoff, Failure, classify
+from gpuid_agent.node.labels.policy import Failure, classify
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 
 _log = log.get("labels")
@@ -180,10 +181,8 @@ class NodeLabeler:
                 await asyncio.sleep(self._delay(failure))
 
     def _delay(self, failure: Failure) -> float:
-        if failure.retry_after:
-            self._backoff.failures += 1
-            return self._rand.uniform(failure.retry_after, failure.retry_after * 1.2)
-        return self._backoff.next()
+        # A 429's Retry-After is a floor: never retry sooner than the server asked.
+        return self._backoff.next(floor=failure.retry_after)
 
     async def _wait_for_change(self, *, within: float) -> bool:
         try:

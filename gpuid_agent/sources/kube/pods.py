@@ -12,7 +12,6 @@ the kubelet alone.
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import time
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
+from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 
@@ -255,25 +255,23 @@ class PodCache:
         owners = OwnerResolver(
             self._client.api, timeout=min(self._timeout, 5.0), metrics=self._metrics
         )
-        failures = 0
+        backoff = Backoff(base=1.0, cap=self._backoff_max)
         while True:
             try:
                 if self.resource_version is None:
                     await self._relist(core, owners)
                 started = time.monotonic()
                 await self._watch(core, owners)
-                failures = 0
+                backoff.reset()
                 if time.monotonic() - started < 1.0:
                     await asyncio.sleep(1.0)  # a server ending every watch at once: no spin
             except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                failures += 1
                 if isinstance(exc, KubeApiError) and exc.status == 410:
                     _log.info("pod watch expired; listing again")
                     self.resource_version = None
                     continue
                 self._failed(exc)
-                cap = min(self._backoff_max, 0.5 * 2**failures)
-                await asyncio.sleep(random.uniform(cap / 2, cap))
+                await asyncio.sleep(backoff.next())
 
     def _failed(self, exc: Exception) -> None:
         status = getattr(exc, "status", 0)

@@ -10,7 +10,6 @@ so a mapping that can no longer be checked is not presented as current forever.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import PodResourcesError
 from gpuid_agent.runtime.metrics import AttributionMetrics
+from gpuid_agent.runtime.retry import backoff_delay
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kubelet.client import PodResourcesClient
 from gpuid_agent.sources.kubelet.devices import ResourceMatcher
@@ -229,8 +229,7 @@ class PodResourcesSource:
     def _next_delay(self, failures: int) -> float:
         if not failures:
             return self.interval
-        cap = min(self.backoff_max, self.interval * 2.0**failures)
-        return random.uniform(cap / 2, cap)
+        return backoff_delay(failures, self.interval, self.backoff_max)
 
     async def _sleep(self, delay: float) -> None:
         """Sleep, waking once on the way if the served mapping turns stale meanwhile."""
