@@ -113,6 +113,7 @@ class Agent:
             timeout=settings.timeout,
             backoff_base=settings.retry_backoff,
             backoff_max=settings.retry_backoff_max,
+            health_probe_interval=settings.health_probe_interval,
         )
         chosen = list(exporters) if exporters is not None else make_exporters(settings)
         self.pipeline = build_pipeline(
@@ -458,7 +459,7 @@ class Agent:
             problems.append(f"nvml: {reason}")
         # Fan-out policy (docs/exporters/README.md): a failing exporter whose records are held
         # is degraded, not a readiness problem; unready only when every exporter is losing data.
-        healths = await self.pipeline.health()
+        healths = self.pipeline.health()  # kept by the workers: no sink is touched here
         for name, health in healths.items():
             self.board.set(f"exporter:{name}", health.state, health.reason)
         if not self.pipeline.ready(healths):
@@ -522,6 +523,7 @@ class Agent:
             await self._start_simulated_kubelet()
         for worker in self.pipeline.workers:
             self.supervisor.spawn(f"exporter:{worker.name}", worker.run())
+            self.supervisor.spawn(f"probe:{worker.name}", worker.probe_loop())
         self.supervisor.spawn("emitter", self.emitter.run())
         await self.labelling.start(self.supervisor.spawn)
         self.supervisor.spawn("allocations", self.trail.run())
