@@ -304,8 +304,7 @@ class ExporterWorker(WorkerIntake):
     def health(self) -> ExporterHealth:
         """ok, degraded (failing or its store impaired, records held) or unavailable
         (failing and dropping records): the worker's own state, read without I/O."""
-        self._refresh()  # the store's problem can change inside one of its operations
-        return self._health
+        return self._health  # recomputed by the worker after every result and store operation
 
     def describe(self) -> dict[str, Any]:
         """This exporter's part of /status."""
