@@ -124,6 +124,7 @@ class Agent:
         spawn, bus = self.supervisor.spawn, self.bus
         for worker in self.pipeline.workers:
             spawn(f"exporter:{worker.name}", worker.run())
+            spawn(f"probe:{worker.name}", worker.probe_loop())
         spawn("render", self.renderer.run(bus.subscribe("render")))
         spawn("emitter", self.emitter.run())
         spawn(

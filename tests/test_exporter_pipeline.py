@@ -125,12 +125,14 @@ async def test_memory_only_sink_drops_oldest_instead_of_blocking(
     (worker,) = pipeline.workers
     await eventually(lambda: worker.dropped_records >= 80)
     assert worker.store.records <= 8 + 4  # the bound, plus the batch in flight
-    assert (
-        sample(
-            pipeline, "gpuid_dropped_records_total", {"exporter": "http", "reason": "buffer_full"}
+    dropped = {
+        reason: sample(
+            pipeline, "gpuid_dropped_records_total", {"exporter": "http", "reason": reason}
         )
-        >= 80
-    )
+        for reason in ("buffer_full", "intake_full")
+    }
+    assert sum(dropped.values()) == worker.dropped_records >= 80
+    assert dropped["buffer_full"] > 0
     healths = pipeline.health()
     assert healths["http"].state == "unavailable"
     assert not Pipeline.ready(healths)

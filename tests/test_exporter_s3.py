@@ -156,8 +156,8 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
         for record in batch:
             await worker.put(record)
         await eventually(lambda: worker.consecutive_failures >= 2 and spool.batches == 5)
-        assert not (await worker.health()).ok
-        assert (await worker.health()).state == "degraded"
+        assert not (worker.health()).ok
+        assert (worker.health()).state == "degraded"
         await asyncio.to_thread(server.start)
         client: Any = server.client()
         client.create_bucket(Bucket="outage")

@@ -116,7 +116,7 @@ async def test_broken_sink_is_retried_with_backoff_and_reported() -> None:
         "gpuid_export_failure_total", {"exporter": "stdout", "error_type": "io"}
     )
     assert failures == 3  # 1 + RETRY_COUNT attempts
-    health = await worker.health()
+    health = worker.health()
     assert not health.ok and "Broken pipe" in (health.reason or "")
     writer.close()
 

@@ -47,6 +47,7 @@ def build_delivery(
         timeout=settings.timeout,
         backoff_base=settings.retry_backoff,
         backoff_max=settings.retry_backoff_max,
+        health_probe_interval=settings.health_probe_interval,
     )
     chosen = list(exporters) if exporters is not None else make_exporters(settings)
     return build_pipeline(

@@ -1,165 +1,45 @@
-"""Where an exporter's undelivered batches wait: in memory, or durably on disk (SPOOL_DIR).
+"""The durable spool (SPOOL_DIR): one file per batch, written before the first delivery attempt.
 
-The disk spool writes each batch to its own file before the first delivery attempt: written to
-a hidden temporary name, fsync'd, renamed into place (atomic), and the directory fsync'd, so a
-crash leaves either the whole batch or nothing. A delivered batch's file is removed; files
-left behind by a previous run are re-sent, oldest first. Each file is named
-`<created ns>-<batch id>-<record count>.ndjson`, so the spool can be indexed, ordered and
-trimmed without reading a byte of it. Batches a sink rejected move to `rejected/` for an
-operator to inspect or replay. Both stores are bounded and drop their oldest batches (rejected
-ones first) when full; the caller counts and logs what was dropped.
+Each batch is written to a hidden temporary name, fsync'd, renamed into place (atomic), and the
+directory fsync'd, so a crash leaves either the whole batch or nothing; a failed write removes
+what it wrote. A delivered batch's file is removed; files left behind by a previous run are
+re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.ndjson`, so
+the spool can be indexed, ordered and trimmed without reading a byte of it. Batches a sink
+rejected move to `rejected/` for an operator to inspect or replay.
+
+When the disk fails (full, read-only, gone), nothing raises at the caller: new batches are kept
+in memory, bounded by `memory_limit` records and `max_bytes` bytes of payload (oldest dropped
+first), delivered batches whose file cannot be removed are forgotten (a restart may re-send
+them; record ids dedupe), and `problem` says what is wrong until a write succeeds again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
-from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import orjson
-
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record, json_bytes
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.store import (
+    BatchStore,
+    MemoryBatches,
+    StoredBatch,
+    decode,
+    encode,
+    trim_memory,
+)
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError
+
+__all__ = ["REJECTED_DIR", "BatchStore", "DiskSpool", "MemoryBatches", "StoredBatch"]
 
 _log = log.get("spool")
 _NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.ndjson$")
 REJECTED_DIR = "rejected"
-
-
-@dataclass(slots=True, eq=False)
-class StoredBatch:
-    meta: BatchMeta
-    count: int
-    size: int = 0
-    records: list[Record] | None = None  # in memory (memory store, or a failed disk write)
-    path: Path | None = None
-    in_flight: bool = False
-
-
-class BatchStore(ABC):
-    """Pending batches of one exporter, oldest first, within a size bound."""
-
-    durable = False
-
-    def __init__(self) -> None:
-        self._pending: OrderedDict[str, StoredBatch] = OrderedDict()
-
-    @abstractmethod
-    async def add(self, records: list[Record]) -> list[StoredBatch]:
-        """Store a new batch; return the batches dropped to stay within the bound."""
-
-    @abstractmethod
-    async def load(self, batch: StoredBatch) -> list[Record]: ...
-
-    @abstractmethod
-    async def remove(self, batch: StoredBatch) -> None: ...
-
-    @abstractmethod
-    async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
-        """Move a rejected batch out of the way: (its records were kept, batches dropped
-        to make room for it)."""
-
-    def oldest(self) -> StoredBatch | None:
-        return next(iter(self._pending.values()), None)
-
-    def prefetch_after(self, batch: StoredBatch) -> None:
-        """Start reading the batch queued after `batch` while `batch` is being sent."""
-        return None
-
-    @abstractmethod
-    def full(self, records: int) -> bool:
-        """Whether adding `records` more would pass the bound (never for an empty store)."""
-
-    @property
-    def batches(self) -> int:
-        return len(self._pending)
-
-    @property
-    def records(self) -> int:
-        return sum(b.count for b in self._pending.values())
-
-    @property
-    def bytes(self) -> int:
-        return 0
-
-    def describe(self) -> str:
-        return "memory"
-
-
-class MemoryBatches(BatchStore):
-    """Memory-only: at most `max_records` records pending; lost when the process ends."""
-
-    def __init__(self, max_records: int) -> None:
-        super().__init__()
-        self.max_records = max(1, max_records)
-
-    def full(self, records: int) -> bool:
-        return bool(self._pending) and self.records + records > self.max_records
-
-    async def add(self, records: list[Record]) -> list[StoredBatch]:
-        batch = StoredBatch(BatchMeta.new(), len(records), records=records)
-        self._pending[batch.meta.batch_id] = batch
-        dropped: list[StoredBatch] = []
-        total = self.records
-        for candidate in list(self._pending.values()):
-            if total <= self.max_records:
-                break
-            if candidate is batch or candidate.in_flight:
-                continue
-            del self._pending[candidate.meta.batch_id]
-            total -= candidate.count
-            dropped.append(candidate)
-        return dropped
-
-    async def load(self, batch: StoredBatch) -> list[Record]:
-        return batch.records or []
-
-    async def remove(self, batch: StoredBatch) -> None:
-        self._pending.pop(batch.meta.batch_id, None)
-
-    async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
-        self._pending.pop(batch.meta.batch_id, None)
-        return False, []
-
-
-def _encode(records: list[Record]) -> bytes:
-    return b"".join(json_bytes(r) + b"\n" for r in records)
-
-
-def _decode(data: bytes) -> list[Record]:
-    # Fast path: JSON text never holds a raw newline, so the lines joined by commas are one
-    # JSON array, parsed in one call.
-    body = data.strip()
-    try:
-        whole = orjson.loads(b"[" + body.replace(b"\n", b",") + b"]") if body else []
-    except orjson.JSONDecodeError:
-        pass
-    else:
-        if all(isinstance(r, dict) for r in whole):
-            return whole
-    out: list[Record] = []
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            value = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            try:  # lines written through the ASCII-escape fallback
-                value = json.loads(line)
-            except ValueError as exc:
-                raise CorruptBatchError(f"unreadable line: {exc}") from exc
-        if not isinstance(value, dict):
-            raise CorruptBatchError("a line is not a JSON object")
-        out.append(value)
-    return out
 
 
 def _consume_exception(task: asyncio.Future[list[Record]]) -> None:
@@ -178,13 +58,27 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _write_atomic(directory: Path, name: str, payload: bytes) -> None:
-    tmp = directory / f".{name}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / name)
-    _fsync_dir(directory)
+    tmp, final = directory / f".{name}.tmp", directory / name
+    renamed = False
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        renamed = True
+        _fsync_dir(directory)
+    except BaseException:
+        # Leave nothing behind: the caller keeps the batch elsewhere, and a file it does
+        # not track would be sent again by the next start.
+        with contextlib.suppress(OSError):
+            (final if renamed else tmp).unlink(missing_ok=True)
+        raise
+
+
+def _reason(directory: Path, exc: OSError) -> str:
+    detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+    return f"spool {directory}: {detail}"
 
 
 class DiskSpool(BatchStore):
@@ -192,14 +86,16 @@ class DiskSpool(BatchStore):
 
     durable = True
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, memory_limit: int = 10_000) -> None:
         super().__init__()
         self.directory = directory
         self.rejected_dir = directory / REJECTED_DIR
         self.max_bytes = max_bytes
+        self.memory_limit = max(1, memory_limit)  # records held in memory while unwritable
         self._rejected: OrderedDict[str, StoredBatch] = OrderedDict()
         self._bytes = 0
-        self.write_error: str | None = None
+        self._problem: str | None = None
+        self._orphans: list[Path] = []  # delivered or dropped, but their file would not go
         # read-ahead of at most the batch being sent and the one after it, by batch id
         self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
@@ -254,35 +150,60 @@ class DiskSpool(BatchStore):
     def rejected_batches(self) -> int:
         return len(self._rejected)
 
+    @property
+    def problem(self) -> str | None:
+        return self._problem
+
     def describe(self) -> str:
         return str(self.directory)
 
     def full(self, records: int) -> bool:
-        return bool(self._pending) and self._bytes >= self.max_bytes
+        if not self._pending:
+            return False
+        if self._problem is not None:
+            return self.memory_records + records > self.memory_limit
+        return self._bytes >= self.max_bytes
+
+    def _failed(self, exc: OSError, what: str) -> None:
+        reason = _reason(self.directory, exc)
+        if self._problem != reason:
+            _log.error(
+                f"spool {what} failed",
+                extra={"spool": str(self.directory), "error": reason},
+            )
+        self._problem = reason
+
+    async def _recovered(self) -> None:
+        """A write went through: remove the files that would not go while it failed."""
+        orphans, self._orphans = self._orphans, []
+        for path in orphans:
+            try:
+                await asyncio.to_thread(path.unlink, missing_ok=True)
+            except OSError:
+                self._orphans.append(path)
+        if self._problem is not None and not self._orphans:
+            _log.info("spool writable again", extra={"spool": str(self.directory)})
+            self._problem = None
 
     async def add(self, records: list[Record]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records))
-        payload = _encode(records)
+        payload = encode(records)
         name = self._name(batch)
+        batch.size = len(payload)
         try:
             await asyncio.to_thread(_write_atomic, self.directory, name, payload)
         except OSError as exc:
-            # Disk full or failing: keep the batch in memory rather than lose it.
-            if self.write_error is None:
-                _log.error(
-                    "spool write failed; keeping batches in memory",
-                    extra={"spool": str(self.directory), "error": str(exc)},
-                )
-            self.write_error = str(exc)
-            batch.records = records
-        else:
-            if self.write_error is not None:
-                _log.info("spool writable again", extra={"spool": str(self.directory)})
-            self.write_error = None
-            batch.path = self.directory / name
-            batch.size = len(payload)
-            self._bytes += batch.size
+            self._failed(exc, "write")
+            batch.records = records  # kept in memory, within the memory bound
+            self._pending[batch.meta.batch_id] = batch
+            return trim_memory(
+                self._pending, batch, self.memory_limit, self.max_bytes, "spool_unwritable"
+            )
+        batch.path = self.directory / name
+        self._bytes += batch.size
         self._pending[batch.meta.batch_id] = batch
+        if self._problem is not None or self._orphans:
+            await self._recovered()
         return await self._trim(keep=batch)
 
     async def _trim(self, keep: StoredBatch) -> list[StoredBatch]:
@@ -291,7 +212,6 @@ class DiskSpool(BatchStore):
             victim = next(iter(self._rejected.values()), None)
             if victim is not None:
                 del self._rejected[victim.meta.batch_id]
-                dropped.append(victim)
             else:
                 victim = next(
                     (
@@ -304,17 +224,24 @@ class DiskSpool(BatchStore):
                 if victim is None:
                     break  # only the newest (or in-flight) batch is left: keep it
                 del self._pending[victim.meta.batch_id]
-                dropped.append(victim)
+            victim.dropped_for = "spool_full"
+            dropped.append(victim)
             await self._unlink(victim)
         return dropped
 
     async def _unlink(self, batch: StoredBatch) -> None:
+        """Delete a batch's file; one that will not go is remembered and retried once the
+        spool is writable again."""
         self._drop_prefetch(batch.meta.batch_id)
-        if batch.path is not None:
-            path = batch.path
+        if batch.path is None:
+            return
+        path, batch.path = batch.path, None
+        self._bytes -= batch.size
+        try:
             await asyncio.to_thread(path.unlink, missing_ok=True)
-            self._bytes -= batch.size
-            batch.path = None
+        except OSError as exc:
+            self._failed(exc, "remove")
+            self._orphans.append(path)
 
     @staticmethod
     def _read(path: Path, count: int) -> list[Record]:
@@ -324,7 +251,7 @@ class DiskSpool(BatchStore):
             data = path.read_bytes()
         except OSError as exc:
             raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
-        records = _decode(data)
+        records = decode(data)
         if len(records) != count:
             raise CorruptBatchError(
                 f"{path.name} holds {len(records)} records, its name says {count}"
@@ -369,19 +296,20 @@ class DiskSpool(BatchStore):
         return await asyncio.to_thread(self._read, batch.path, batch.count)
 
     async def remove(self, batch: StoredBatch) -> None:
-        self._pending.pop(batch.meta.batch_id, None)
+        self.forget(batch)
         await self._unlink(batch)
 
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
-        self._pending.pop(batch.meta.batch_id, None)
+        self.forget(batch)
         if batch.path is None:
             if batch.records is None:
                 return False, []
             try:  # a batch that only ever lived in memory: write it now
                 name = self._name(batch)
-                payload = _encode(batch.records)
+                payload = encode(batch.records)
                 await asyncio.to_thread(_write_atomic, self.rejected_dir, name, payload)
-            except OSError:
+            except OSError as exc:
+                self._failed(exc, "write")
                 return False, []
             batch.path, batch.size, batch.records = self.rejected_dir / name, len(payload), None
             self._bytes += batch.size
@@ -389,7 +317,8 @@ class DiskSpool(BatchStore):
             target = self.rejected_dir / batch.path.name
             try:
                 await asyncio.to_thread(os.replace, batch.path, target)
-            except OSError:
+            except OSError as exc:
+                self._failed(exc, "set-aside")
                 await self._unlink(batch)
                 return False, []
             with contextlib.suppress(OSError):

@@ -1,0 +1,180 @@
+"""Where an exporter's undelivered batches wait: the store interface and the memory store.
+
+Every store is bounded and drops its oldest batches when full, marking each dropped batch with
+the reason; the caller counts and logs them. Stores never raise an OSError at their caller: a
+filesystem failure becomes the store's `problem` (and memory fallback, in the disk spool), so
+one broken disk degrades one exporter instead of stopping it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record, json_bytes
+from gpuid_agent.runtime.errors import CorruptBatchError
+
+
+@dataclass(slots=True, eq=False)
+class StoredBatch:
+    meta: BatchMeta
+    count: int
+    size: int = 0  # bytes of its file, or of its encoded payload while held in memory
+    records: list[Record] | None = None  # in memory (memory store, or a failed disk write)
+    path: Path | None = None
+    in_flight: bool = False
+    dropped_for: str = ""  # why the store dropped it, once it did
+
+
+class BatchStore(ABC):
+    """Pending batches of one exporter, oldest first, within a size bound."""
+
+    durable = False
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[str, StoredBatch] = OrderedDict()
+
+    @abstractmethod
+    async def add(self, records: list[Record]) -> list[StoredBatch]:
+        """Store a new batch; return the batches dropped to stay within the bound."""
+
+    @abstractmethod
+    async def load(self, batch: StoredBatch) -> list[Record]: ...
+
+    @abstractmethod
+    async def remove(self, batch: StoredBatch) -> None: ...
+
+    @abstractmethod
+    async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
+        """Move a rejected batch out of the way: (its records were kept, batches dropped
+        to make room for it)."""
+
+    def forget(self, batch: StoredBatch) -> None:
+        """Stop tracking a batch whatever became of its storage (delivered, or unreadable),
+        so this process does not send it again."""
+        self._pending.pop(batch.meta.batch_id, None)
+
+    def oldest(self) -> StoredBatch | None:
+        return next(iter(self._pending.values()), None)
+
+    def prefetch_after(self, batch: StoredBatch) -> None:
+        """Start reading the batch queued after `batch` while `batch` is being sent."""
+        return None
+
+    @abstractmethod
+    def full(self, records: int) -> bool:
+        """Whether adding `records` more would pass the bound (never for an empty store)."""
+
+    @property
+    def problem(self) -> str | None:
+        """Why the store cannot currently keep batches as it should, if it cannot."""
+        return None
+
+    @property
+    def batches(self) -> int:
+        return len(self._pending)
+
+    @property
+    def records(self) -> int:
+        return sum(b.count for b in self._pending.values())
+
+    @property
+    def memory_records(self) -> int:
+        """Records held in process memory (all of them for a memory store)."""
+        return sum(b.count for b in self._pending.values() if b.records is not None)
+
+    @property
+    def bytes(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "memory"
+
+
+class MemoryBatches(BatchStore):
+    """Memory-only: at most `max_records` records pending; lost when the process ends."""
+
+    def __init__(self, max_records: int) -> None:
+        super().__init__()
+        self.max_records = max(1, max_records)
+
+    def full(self, records: int) -> bool:
+        return bool(self._pending) and self.records + records > self.max_records
+
+    async def add(self, records: list[Record]) -> list[StoredBatch]:
+        batch = StoredBatch(BatchMeta.new(), len(records), records=records)
+        self._pending[batch.meta.batch_id] = batch
+        return trim_memory(self._pending, batch, self.max_records, None, "buffer_full")
+
+    async def load(self, batch: StoredBatch) -> list[Record]:
+        return batch.records or []
+
+    async def remove(self, batch: StoredBatch) -> None:
+        self.forget(batch)
+
+    async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
+        self.forget(batch)
+        return False, []
+
+
+def trim_memory(
+    pending: OrderedDict[str, StoredBatch],
+    keep: StoredBatch,
+    max_records: int,
+    max_bytes: int | None,
+    reason: str,
+) -> list[StoredBatch]:
+    """Drop the oldest batches held in memory (never `keep` nor one in flight) until those
+    left hold at most `max_records` records and `max_bytes` bytes of payload."""
+    held = [b for b in pending.values() if b.records is not None]
+    records = sum(b.count for b in held)
+    size = sum(b.size for b in held)
+    dropped: list[StoredBatch] = []
+    for candidate in held:
+        if records <= max_records and (max_bytes is None or size <= max_bytes):
+            break
+        if candidate is keep or candidate.in_flight:
+            continue
+        del pending[candidate.meta.batch_id]
+        records -= candidate.count
+        size -= candidate.size
+        candidate.dropped_for = reason
+        dropped.append(candidate)
+    return dropped
+
+
+def encode(records: list[Record]) -> bytes:
+    return b"".join(json_bytes(r) + b"\n" for r in records)
+
+
+def decode(data: bytes) -> list[Record]:
+    # Fast path: JSON text never holds a raw newline, so the lines joined by commas are one
+    # JSON array, parsed in one call.
+    body = data.strip()
+    try:
+        whole = orjson.loads(b"[" + body.replace(b"\n", b",") + b"]") if body else []
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if all(isinstance(r, dict) for r in whole):
+            return whole
+    out: list[Record] = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            try:  # lines written through the ASCII-escape fallback
+                value = json.loads(line)
+            except ValueError as exc:
+                raise CorruptBatchError(f"unreadable line: {exc}") from exc
+        if not isinstance(value, dict):
+            raise CorruptBatchError("a line is not a JSON object")
+        out.append(value)
+    return out
