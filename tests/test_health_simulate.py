@@ -201,10 +201,18 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
         await eventually(lambda: b"gpuid_gpu_health_state" in agent.renderer.current().text)
         api.inject_xid(3, 48)
         await eventually(lambda: agent.health.snapshot().gpus[3].last_xid == 48)
-        families = {
-            f.name: f for f in text_string_to_metric_families(agent.renderer.current().text.decode())
-        }
-        last = {s.labels["gpu"]: s.value for s in families["DCGM_FI_DEV_XID_ERRORS"].samples}
-        assert last["3"] == 48 and last["0"] == 0
+
+        def rendered() -> dict[str, Any]:
+            text = agent.renderer.current().text.decode()
+            return {f.name: f for f in text_string_to_metric_families(text)}
+
+        def last_xid() -> dict[str, float]:
+            samples = rendered()["DCGM_FI_DEV_XID_ERRORS"].samples
+            return {s.labels["gpu"]: s.value for s in samples}
+
+        # the page follows the XID's snapshot once its render (off the loop) is installed
+        await eventually(lambda: last_xid().get("3") == 48)
+        families = rendered()
+        assert last_xid()["0"] == 0
         states = families["gpuid_gpu_health_state"].samples
         assert all("UUID" in s.labels and "modelName" in s.labels for s in states)
