@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.signals import EccCounts, GpuHealthSignals
 
@@ -36,12 +37,6 @@ _CORRECTED, _UNCORRECTED = 0, 1
 _VOLATILE, _AGGREGATE = 0, 1
 
 
-class _LostError(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 class _Pass:
     """The per-GPU bookkeeping of one read."""
 
@@ -57,7 +52,7 @@ class _Pass:
         except pynvml.NVMLError as exc:
             code = getattr(exc, "value", None)
             if code in _LOST:
-                raise _LostError(_LOST[code]) from exc
+                raise GpuLostError(self.index, int(code or 0), _LOST[code]) from exc
             if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
                 self.absent[name] = "the driver lacks this NVML call"
             elif code in _UNSUPPORTED:
@@ -116,7 +111,7 @@ class HealthReader:
                 absent=MappingProxyType(step.absent),
                 failed=MappingProxyType(step.failed),
             )
-        except _LostError as lost:
+        except GpuLostError as lost:
             return GpuHealthSignals(index=index, uuid=uuid, lost=lost.reason)
         except pynvml.NVMLError as exc:  # the handle itself could not be had
             code = getattr(exc, "value", None)
