@@ -191,7 +191,7 @@ class Agent:
         )
         self.trail = AllocationTrail(
             TrailIdentity(settings.cluster_name, self.node, source),
-            publish=self.pipeline.publish,
+            publish_durable=self.pipeline.publish_durable,
             state_dir=settings.state_dir,
         )
 

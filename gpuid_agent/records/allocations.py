@@ -84,19 +84,20 @@ class AllocationTrail:
     """Turns attribution snapshots into allocation records; one task publishes them.
 
     `offer` never blocks (the latest snapshot wins, like the reading emitter); `run` diffs
-    it against the open allocations, publishes, then saves the state file.
+    it against the open allocations, hands the records durably to the pipeline
+    (`Pipeline.publish_durable`), then saves the state file.
     """
 
     def __init__(
         self,
         identity: TrailIdentity,
         *,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[Record]], Awaitable[None]],
         state_dir: str = "",
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.identity = identity
-        self._publish = publish
+        self._publish_durable = publish_durable
         self._clock = clock
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.open: dict[Key, Record] = {}
@@ -291,7 +292,10 @@ class AllocationTrail:
         records = self.diff(*latest)
         if records:
             _log.debug("allocation records", extra={"count": len(records)})
-            await self._publish(records)
+            # Durable first: the state file says these were sent, so it may only be saved
+            # once every exporter's spool holds them. A kill in between re-sends them after
+            # the restart under the same (deterministic) record ids.
+            await self._publish_durable(records)
             await self._save()
 
     async def run(self) -> None:
