@@ -23,7 +23,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,8 @@ from typing import Any
 import orjson
 
 from gpuid_agent.model import NodeInventory
-from gpuid_agent.records.readings import SCHEMA_VERSION, Record, rfc3339
+from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
+from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.attribution import Allocation, Attribution
 
@@ -195,54 +196,57 @@ class AllocationTrail:
         h = a.holder
         alloc_id = allocation_id(self.identity.cluster, self.identity.node, a)
         started = rfc3339(now)
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "kind": "allocation",
-            "record_id": allocation_record_id(alloc_id, "start"),
-            "event": "start",
-            "cluster": self.identity.cluster,
-            "node": self.identity.node,
-            "machine": inventory.machine,  # the providerID may arrive after start
-            "machine_source": inventory.machine_source,
-            "source": self.identity.source,
-            "chassis": (gpu.chassis_serial if gpu else None) or "",
-            "gpu": (gpu.serial if gpu else None) or "",
-            "read_time": started,
-            "allocation_id": alloc_id,
-            "serial": gpu.serial if gpu else None,
-            "uuid": a.gpu_uuid,
-            "gpu_index": gpu.index if gpu else None,
-            "mig_uuid": a.mig_uuid,
-            "mig_gpu_instance_id": mig.gpu_instance_id if mig else None,
-            "mig_profile": mig.profile if mig else None,
-            "namespace": h.namespace,
-            "pod": h.pod,
-            "pod_uid": h.pod_uid or None,
-            "container": h.container,
-            "resource_name": a.resource_name,
-            "device_id": a.device_id,
-            "replica": a.replica,
-            "workload_kind": h.workload_kind or None,
-            "workload_name": h.workload_name or None,
-            "started_at": started,
-            "start_observed": observed,
-            "ended_at": None,
-            "end_observed": None,
-        }
+        return to_wire(
+            AllocationRecord(
+                schema_version=SCHEMA_VERSION,
+                kind="allocation",
+                record_id=allocation_record_id(alloc_id, "start"),
+                event="start",
+                cluster=self.identity.cluster,
+                node=self.identity.node,
+                machine=inventory.machine,  # the providerID may arrive after start
+                machine_source=inventory.machine_source,
+                source=self.identity.source,
+                chassis=(gpu.chassis_serial if gpu else None) or "",
+                gpu=(gpu.serial if gpu else None) or "",
+                read_time=started,
+                allocation_id=alloc_id,
+                serial=gpu.serial if gpu else None,
+                uuid=a.gpu_uuid,
+                gpu_index=gpu.index if gpu else None,
+                mig_uuid=a.mig_uuid,
+                mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
+                mig_profile=mig.profile if mig else None,
+                namespace=h.namespace,
+                pod=h.pod,
+                pod_uid=h.pod_uid or None,
+                container=h.container,
+                resource_name=a.resource_name,
+                device_id=a.device_id,
+                replica=a.replica,
+                workload_kind=h.workload_kind or None,
+                workload_name=h.workload_name or None,
+                started_at=started,
+                start_observed=observed,
+                ended_at=None,
+                end_observed=None,
+            )
+        )
 
     def _end_record(self, start: Record, now: datetime, observed: bool) -> Record:
         ended = rfc3339(now)
-        record = dict(start)
-        record.update(
-            record_id=allocation_record_id(start["allocation_id"], "end"),
-            event="end",
-            read_time=ended,
-            ended_at=ended,
-            end_observed=observed,
+        begun = allocation_from_wire(start)
+        return to_wire(
+            replace(
+                begun,
+                record_id=allocation_record_id(begun.allocation_id, "end"),
+                event="end",
+                read_time=ended,
+                ended_at=ended,
+                end_observed=observed,
+                last_seen_at=None if observed else (self._restored_saved_at or None),
+            )
         )
-        if not observed:
-            record["last_seen_at"] = self._restored_saved_at or None
-        return record
 
     def diff(self, attribution: Attribution, inventory: NodeInventory) -> list[Record]:
         """Records owed for this snapshot; updates the open set. Only a current attribution

@@ -12,7 +12,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
-from gpuid_agent.records.readings import SCHEMA_VERSION, Record, record_id, rfc3339
+from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.health.model import Transition
 
@@ -23,29 +24,29 @@ def health_record(
     transition: Transition, inventory: NodeInventory, gpu: GpuIdentity | None, *, source: str
 ) -> Record:
     current, previous = transition.current, transition.previous
-    record: Record = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "health",
-        "cluster": inventory.cluster,
-        "node": inventory.node,
-        "machine": inventory.machine,
-        "source": source,
-        "chassis": (gpu.chassis_serial if gpu else None) or "",
-        "gpu": (gpu.serial if gpu else None) or "",
-        "read_time": rfc3339(current.since),
-        "uuid": transition.uuid,
-        "index": transition.index,
-        "check": transition.check,
-        "state": current.state,
-        "previous_state": previous.state if previous else None,
-        "action": current.action,
-        "reason": current.reason,
-        "since": rfc3339(current.since),
-        "gpu_state": transition.gpu_state,
-        "machine_source": inventory.machine_source,
-    }
-    record["record_id"] = record_id(record)
-    return record
+    return to_wire(
+        HealthRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="health",
+            cluster=inventory.cluster,
+            node=inventory.node,
+            machine=inventory.machine,
+            source=source,
+            chassis=(gpu.chassis_serial if gpu else None) or "",
+            gpu=(gpu.serial if gpu else None) or "",
+            read_time=rfc3339(current.since),
+            uuid=transition.uuid,
+            index=transition.index,
+            check=transition.check,
+            state=current.state,
+            previous_state=previous.state if previous else None,
+            action=current.action,
+            reason=current.reason,
+            since=rfc3339(current.since),
+            gpu_state=transition.gpu_state,
+            machine_source=inventory.machine_source,
+        )
+    )
 
 
 def health_records(
