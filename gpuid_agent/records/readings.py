@@ -22,8 +22,15 @@ _log = log.get("records")
 
 
 def reading_record(
-    inventory: NodeInventory, gpu: GpuIdentity, *, source: str, reason: str, change: str
+    inventory: NodeInventory,
+    gpu: GpuIdentity,
+    *,
+    source: str,
+    reason: str,
+    change: str,
+    read_time: str = "",
 ) -> Record:
+    """`read_time` is the inventory's, formatted once by the caller for a whole node."""
     return to_wire(
         ReadingRecord(
             schema_version=SCHEMA_VERSION,
@@ -34,7 +41,7 @@ def reading_record(
             source=source,
             chassis=gpu.chassis_serial or "",
             gpu=gpu.serial or "",
-            read_time=rfc3339(inventory.read_time),
+            read_time=read_time or rfc3339(inventory.read_time),
             uuid=gpu.uuid,
             index=gpu.index,
             model=gpu.name,
@@ -60,14 +67,20 @@ def reading_records(
 ) -> list[Record]:
     """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""
     changed = changed or {}
+    at = rfc3339(inventory.read_time)
     records = [
         reading_record(
-            inventory, gpu, source=source, reason=reason, change=changed.get(gpu.uuid, "unchanged")
+            inventory,
+            gpu,
+            source=source,
+            reason=reason,
+            change=changed.get(gpu.uuid, "unchanged"),
+            read_time=at,
         )
         for gpu in inventory.gpus
     ]
     records.extend(
-        reading_record(inventory, gpu, source=source, reason=reason, change="removed")
+        reading_record(inventory, gpu, source=source, reason=reason, change="removed", read_time=at)
         for gpu in removed
     )
     return records

@@ -5,15 +5,21 @@ from __future__ import annotations
 import hashlib
 from dataclasses import fields
 from datetime import UTC, datetime
+from operator import attrgetter
 from typing import Any
 
 import orjson
 
-from gpuid_agent.records.types import AllocationRecord, AnyRecord, ReadingRecord
+from gpuid_agent.records.types import AllocationRecord, AnyRecord, HealthRecord, ReadingRecord
 
 Record = dict[str, Any]
 _ALLOCATION_FIELDS = tuple(f.name for f in fields(AllocationRecord))
 _ALLOCATION_REQUIRED = _ALLOCATION_FIELDS[:-1]
+# One C-level getter per type: records are built per GPU per collection, so this path is hot.
+_GETTERS = {
+    cls: (cls.__slots__, attrgetter(*cls.__slots__))
+    for cls in (ReadingRecord, AllocationRecord, HealthRecord)
+}
 
 
 def rfc3339(moment: datetime) -> str:
@@ -30,7 +36,8 @@ def record_id(record: Record) -> str:
 
 def to_wire(record: AnyRecord) -> Record:
     """The dict exporters and the spool receive; same names, values and ids as ever."""
-    wire: Record = {name: getattr(record, name) for name in record.__slots__}
+    names, get = _GETTERS[type(record)]
+    wire: Record = dict(zip(names, get(record), strict=True))
     if isinstance(record, AllocationRecord):
         if record.end_observed is not False:
             del wire["last_seen_at"]  # only an unseen end carries it
