@@ -31,10 +31,13 @@ from typing import Any
 import orjson
 
 from gpuid_agent.model import NodeInventory
+from gpuid_agent.records.consume import follow
 from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.attribution import Allocation, Attribution
+from gpuid_agent.state.bus import Subscription
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("allocations")
 STATE_FILE = "allocations.json"
@@ -302,7 +305,19 @@ class AllocationTrail:
             await self._publish_durable(records)
             await self._save()
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """With a subscription, snapshots whose pod metadata is in (`pods_ready`) and whose
+        attribution is current are offered; the bus closing stops the trail."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        if snapshot.pods_ready:
+            self.offer(snapshot.attribution, snapshot.inventory)
+
+    async def _loop(self) -> None:
         """Publish what each offered snapshot owes. The state file is also re-saved every
         STATE_REFRESH seconds while allocations are open, so after a crash `last_seen_at`
         bounds when an allocation that vanished meanwhile was last known to be open."""

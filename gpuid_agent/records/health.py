@@ -12,10 +12,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.records.consume import follow
 from gpuid_agent.records.serialize import Record, rfc3339, to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
 from gpuid_agent.runtime import log
+from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("health.records")
 
@@ -63,9 +66,14 @@ class HealthPublisher:
     """Queue of health records drained into the pipeline by a supervised task."""
 
     def __init__(
-        self, publish: Callable[[list[Record]], Awaitable[None]], *, limit: int = 10_000
+        self,
+        publish: Callable[[list[Record]], Awaitable[None]],
+        *,
+        limit: int = 10_000,
+        source: str = "",
     ) -> None:
         self._publish = publish
+        self._source = source
         self._queue: deque[Record] = deque()
         self._limit = limit
         self._wake = asyncio.Event()
@@ -94,7 +102,18 @@ class HealthPublisher:
             self._queue.clear()
             await self._publish(batch)
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """With an `events=True` subscription, every snapshot's transitions become records
+        (`source` as given to the constructor); the bus closing stops the publisher."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        self.offer(health_records(snapshot.transitions, snapshot.inventory, source=self._source))
+
+    async def _loop(self) -> None:
         while not self._stopping:
             await self._wake.wait()
             self._wake.clear()

@@ -12,10 +12,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.records.consume import follow
 from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord
 from gpuid_agent.runtime import log
+from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.inventory import diff
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 __all__ = ["SCHEMA_VERSION", "ReadingEmitter", "Record", "reading_record", "record_id", "rfc3339"]
 _log = log.get("records")
@@ -145,7 +148,18 @@ class ReadingEmitter:
             _log.debug("emitting readings", extra={"count": len(records)})
             await self._publish(records)
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """Emit until stopped; with a subscription, each snapshot's inventory is offered and
+        the bus closing stops the emitter (after what the last snapshot owes)."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        self.offer(snapshot.inventory)
+
+    async def _loop(self) -> None:
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._time_to_heartbeat())
