@@ -6,6 +6,8 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import HealthPublisher
@@ -101,3 +103,23 @@ async def test_health_publisher_turns_every_snapshots_transitions_into_records()
     await asyncio.wait_for(task, 5)
     assert [r["uuid"] for r in out] == ["GPU-n1-1", "GPU-n1-2", "GPU-n1-3"]
     assert {r["kind"] for r in out} == {"health"} and out[0]["source"] == "s"
+
+
+async def test_trail_owes_records_again_when_the_durable_hand_off_fails() -> None:
+    out: Records = []
+    failing = True
+
+    async def publish_durable(records: Records) -> None:
+        if failing:
+            raise OSError("spool disk full")
+        out.extend(records)
+
+    trail = AllocationTrail(TrailIdentity("c1", "n1", "s"), publish_durable=publish_durable)
+    trail.offer(Attribution("current", (alloc("a", "GPU-n1-0"),)), inventory())
+    with pytest.raises(OSError, match="spool disk full"):
+        await trail.run()
+    assert trail.status()["open"] == 0
+    failing = False
+    trail.stop()
+    await asyncio.wait_for(trail.run(), 5)  # as the supervisor restarts it
+    assert [(r["event"], r["pod"], r["start_observed"]) for r in out] == [("start", "a", False)]

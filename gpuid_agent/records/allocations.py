@@ -296,13 +296,22 @@ class AllocationTrail:
         latest, self._latest = self._latest, None
         if latest is None:
             return
+        before = dict(self.open), self._first
         records = self.diff(*latest)
         if records:
             _log.debug("allocation records", extra={"count": len(records)})
             # Durable first: the state file says these were sent, so it may only be saved
             # once every exporter's spool holds them. A kill in between re-sends them after
             # the restart under the same (deterministic) record ids.
-            await self._publish_durable(records)
+            try:
+                await self._publish_durable(records)
+            except BaseException:
+                # Not held anywhere: forget the diff so the next snapshot (or a restarted
+                # task) owes these records again instead of a later save marking them sent.
+                self.open, self._first = before
+                if self._latest is None:
+                    self._latest = latest
+                raise
             await self._save()
 
     async def run(self, subscription: Subscription | None = None) -> None:
