@@ -22,7 +22,7 @@ from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.conditions import NodeConditionWriter
 from gpuid_agent.node.labels.service import NodeLabelling
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
-from gpuid_agent.records.health import HealthPublisher, health_records
+from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
@@ -39,7 +39,6 @@ from gpuid_agent.sources.nvml.reader import NvmlSource
 from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
-from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("agent")
 
@@ -76,9 +75,9 @@ class Agent:
         )  # fmt: skip
         self.trail = AllocationTrail(
             TrailIdentity(s.cluster_name, node, self.source),
-            publish=self.pipeline.publish_durable, state_dir=s.state_dir,
+            publish_durable=self.pipeline.publish_durable, state_dir=s.state_dir,
         )  # fmt: skip
-        self.health_records = HealthPublisher(self.pipeline.publish)
+        self.health_records = HealthPublisher(self.pipeline.publish, source=self.source)
         self.labelling = NodeLabelling(s, node, self.metrics, self.board, self.identity.use_machine)
         self.conditions = NodeConditionWriter(node, self.board) if s.node_conditions else None
         self.page = StatusPage(
@@ -108,15 +107,6 @@ class Agent:
         sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else s.server_port
 
-    def _allocations(self, snapshot: NodeSnapshot) -> None:
-        # once pod metadata is in, so allocation ids carry the pod UID from the first record
-        if snapshot.pods_ready:
-            self.trail.offer(snapshot.attribution, snapshot.inventory)
-
-    def _health(self, snapshot: NodeSnapshot) -> None:
-        records = health_records(snapshot.transitions, snapshot.inventory, source=self.source)
-        self.health_records.offer(records)
-
     async def start(self) -> None:
         log.set_context(node=self.identity.node)
         await self._serve()
@@ -126,15 +116,9 @@ class Agent:
             spawn(f"exporter:{worker.name}", worker.run())
             spawn(f"probe:{worker.name}", worker.probe_loop())
         spawn("render", self.renderer.run(bus.subscribe("render")))
-        spawn("emitter", self.emitter.run())
-        spawn(
-            "readings-feed",
-            bus.subscribe("readings").feed(lambda n: self.emitter.offer(n.inventory)),
-        )
-        spawn("allocations", self.trail.run())
-        spawn("allocations-feed", bus.subscribe("allocations").feed(self._allocations))
-        spawn("health-records", self.health_records.run())
-        spawn("health-feed", bus.subscribe("health", events=True).feed(self._health))
+        spawn("emitter", self.emitter.run(bus.subscribe("readings")))
+        spawn("allocations", self.trail.run(bus.subscribe("allocations")))
+        spawn("health-records", self.health_records.run(bus.subscribe("health", events=True)))
         observer = request_counter(self.metrics.kube_api_requests)
         kube = self.kube = await open_shared_client(
             self.settings.kube_api, observer=observer, board=self.board
@@ -178,12 +162,7 @@ class Agent:
 
         sup = self.supervisor
         await sup.stop("collector", "pod-resources", "pods", "attribution", "readiness")
-        self.bus.close()
-        for name in ("readings-feed", "allocations-feed", "health-feed"):
-            await sup.wait(name, left())
-        self.emitter.stop()
-        self.health_records.stop()
-        self.trail.stop()
+        self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
         for name in ("emitter", "health-records", "allocations", "render"):
             if not await sup.wait(name, left()):
                 await sup.stop(name)

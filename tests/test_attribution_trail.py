@@ -201,7 +201,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
     snapshot = PodResourcesSnapshot(
         (DeviceAssignment("ns", "db-0", "pg", "nvidia.com/mig-3g.40gb", gpu.mig_devices[0].uuid),)
     )
-    trail = AllocationTrail(TrailIdentity("c", "n", "src"), publish=_never)
+    trail = AllocationTrail(TrailIdentity("c", "n", "src"), publish_durable=_never)
     uid = {"value": "uid-1"}
 
     def lookup(namespace: str, name: str) -> PodMeta:

@@ -23,7 +23,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,13 @@ from typing import Any
 import orjson
 
 from gpuid_agent.model import NodeInventory
-from gpuid_agent.records.readings import SCHEMA_VERSION, Record, rfc3339
+from gpuid_agent.records.consume import follow
+from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
+from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.attribution import Allocation, Attribution
+from gpuid_agent.state.bus import Subscription
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("allocations")
 STATE_FILE = "allocations.json"
@@ -84,19 +88,20 @@ class AllocationTrail:
     """Turns attribution snapshots into allocation records; one task publishes them.
 
     `offer` never blocks (the latest snapshot wins, like the reading emitter); `run` diffs
-    it against the open allocations, publishes, then saves the state file.
+    it against the open allocations, hands the records durably to the pipeline
+    (`Pipeline.publish_durable`), then saves the state file.
     """
 
     def __init__(
         self,
         identity: TrailIdentity,
         *,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[Record]], Awaitable[None]],
         state_dir: str = "",
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.identity = identity
-        self._publish = publish
+        self._publish_durable = publish_durable
         self._clock = clock
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.open: dict[Key, Record] = {}
@@ -194,54 +199,57 @@ class AllocationTrail:
         h = a.holder
         alloc_id = allocation_id(self.identity.cluster, self.identity.node, a)
         started = rfc3339(now)
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "kind": "allocation",
-            "record_id": allocation_record_id(alloc_id, "start"),
-            "event": "start",
-            "cluster": self.identity.cluster,
-            "node": self.identity.node,
-            "machine": inventory.machine,  # the providerID may arrive after start
-            "machine_source": inventory.machine_source,
-            "source": self.identity.source,
-            "chassis": (gpu.chassis_serial if gpu else None) or "",
-            "gpu": (gpu.serial if gpu else None) or "",
-            "read_time": started,
-            "allocation_id": alloc_id,
-            "serial": gpu.serial if gpu else None,
-            "uuid": a.gpu_uuid,
-            "gpu_index": gpu.index if gpu else None,
-            "mig_uuid": a.mig_uuid,
-            "mig_gpu_instance_id": mig.gpu_instance_id if mig else None,
-            "mig_profile": mig.profile if mig else None,
-            "namespace": h.namespace,
-            "pod": h.pod,
-            "pod_uid": h.pod_uid or None,
-            "container": h.container,
-            "resource_name": a.resource_name,
-            "device_id": a.device_id,
-            "replica": a.replica,
-            "workload_kind": h.workload_kind or None,
-            "workload_name": h.workload_name or None,
-            "started_at": started,
-            "start_observed": observed,
-            "ended_at": None,
-            "end_observed": None,
-        }
+        return to_wire(
+            AllocationRecord(
+                schema_version=SCHEMA_VERSION,
+                kind="allocation",
+                record_id=allocation_record_id(alloc_id, "start"),
+                event="start",
+                cluster=self.identity.cluster,
+                node=self.identity.node,
+                machine=inventory.machine,  # the providerID may arrive after start
+                machine_source=inventory.machine_source,
+                source=self.identity.source,
+                chassis=(gpu.chassis_serial if gpu else None) or "",
+                gpu=(gpu.serial if gpu else None) or "",
+                read_time=started,
+                allocation_id=alloc_id,
+                serial=gpu.serial if gpu else None,
+                uuid=a.gpu_uuid,
+                gpu_index=gpu.index if gpu else None,
+                mig_uuid=a.mig_uuid,
+                mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
+                mig_profile=mig.profile if mig else None,
+                namespace=h.namespace,
+                pod=h.pod,
+                pod_uid=h.pod_uid or None,
+                container=h.container,
+                resource_name=a.resource_name,
+                device_id=a.device_id,
+                replica=a.replica,
+                workload_kind=h.workload_kind or None,
+                workload_name=h.workload_name or None,
+                started_at=started,
+                start_observed=observed,
+                ended_at=None,
+                end_observed=None,
+            )
+        )
 
     def _end_record(self, start: Record, now: datetime, observed: bool) -> Record:
         ended = rfc3339(now)
-        record = dict(start)
-        record.update(
-            record_id=allocation_record_id(start["allocation_id"], "end"),
-            event="end",
-            read_time=ended,
-            ended_at=ended,
-            end_observed=observed,
+        begun = allocation_from_wire(start)
+        return to_wire(
+            replace(
+                begun,
+                record_id=allocation_record_id(begun.allocation_id, "end"),
+                event="end",
+                read_time=ended,
+                ended_at=ended,
+                end_observed=observed,
+                last_seen_at=None if observed else (self._restored_saved_at or None),
+            )
         )
-        if not observed:
-            record["last_seen_at"] = self._restored_saved_at or None
-        return record
 
     def diff(self, attribution: Attribution, inventory: NodeInventory) -> list[Record]:
         """Records owed for this snapshot; updates the open set. Only a current attribution
@@ -288,13 +296,37 @@ class AllocationTrail:
         latest, self._latest = self._latest, None
         if latest is None:
             return
+        before = dict(self.open), self._first
         records = self.diff(*latest)
         if records:
             _log.debug("allocation records", extra={"count": len(records)})
-            await self._publish(records)
+            # Durable first: the state file says these were sent, so it may only be saved
+            # once every exporter's spool holds them. A kill in between re-sends them after
+            # the restart under the same (deterministic) record ids.
+            try:
+                await self._publish_durable(records)
+            except BaseException:
+                # Not held anywhere: forget the diff so the next snapshot (or a restarted
+                # task) owes these records again instead of a later save marking them sent.
+                self.open, self._first = before
+                if self._latest is None:
+                    self._latest = latest
+                raise
             await self._save()
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """With a subscription, snapshots whose pod metadata is in (`pods_ready`) and whose
+        attribution is current are offered; the bus closing stops the trail."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        if snapshot.pods_ready:
+            self.offer(snapshot.attribution, snapshot.inventory)
+
+    async def _loop(self) -> None:
         """Publish what each offered snapshot owes. The state file is also re-saved every
         STATE_REFRESH seconds while allocations are open, so after a crash `last_seen_at`
         bounds when an allocation that vanished meanwhile was last known to be open."""

@@ -12,9 +12,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
-from gpuid_agent.records.readings import SCHEMA_VERSION, Record, record_id, rfc3339
+from gpuid_agent.records.consume import follow
+from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
 from gpuid_agent.runtime import log
+from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("health.records")
 
@@ -23,29 +27,29 @@ def health_record(
     transition: Transition, inventory: NodeInventory, gpu: GpuIdentity | None, *, source: str
 ) -> Record:
     current, previous = transition.current, transition.previous
-    record: Record = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "health",
-        "cluster": inventory.cluster,
-        "node": inventory.node,
-        "machine": inventory.machine,
-        "source": source,
-        "chassis": (gpu.chassis_serial if gpu else None) or "",
-        "gpu": (gpu.serial if gpu else None) or "",
-        "read_time": rfc3339(current.since),
-        "uuid": transition.uuid,
-        "index": transition.index,
-        "check": transition.check,
-        "state": current.state,
-        "previous_state": previous.state if previous else None,
-        "action": current.action,
-        "reason": current.reason,
-        "since": rfc3339(current.since),
-        "gpu_state": transition.gpu_state,
-        "machine_source": inventory.machine_source,
-    }
-    record["record_id"] = record_id(record)
-    return record
+    return to_wire(
+        HealthRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="health",
+            cluster=inventory.cluster,
+            node=inventory.node,
+            machine=inventory.machine,
+            source=source,
+            chassis=(gpu.chassis_serial if gpu else None) or "",
+            gpu=(gpu.serial if gpu else None) or "",
+            read_time=rfc3339(current.since),
+            uuid=transition.uuid,
+            index=transition.index,
+            check=transition.check,
+            state=current.state,
+            previous_state=previous.state if previous else None,
+            action=current.action,
+            reason=current.reason,
+            since=rfc3339(current.since),
+            gpu_state=transition.gpu_state,
+            machine_source=inventory.machine_source,
+        )
+    )
 
 
 def health_records(
@@ -62,9 +66,14 @@ class HealthPublisher:
     """Queue of health records drained into the pipeline by a supervised task."""
 
     def __init__(
-        self, publish: Callable[[list[Record]], Awaitable[None]], *, limit: int = 10_000
+        self,
+        publish: Callable[[list[Record]], Awaitable[None]],
+        *,
+        limit: int = 10_000,
+        source: str = "",
     ) -> None:
         self._publish = publish
+        self._source = source
         self._queue: deque[Record] = deque()
         self._limit = limit
         self._wake = asyncio.Event()
@@ -93,7 +102,18 @@ class HealthPublisher:
             self._queue.clear()
             await self._publish(batch)
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """With an `events=True` subscription, every snapshot's transitions become records
+        (`source` as given to the constructor); the bus closing stops the publisher."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        self.offer(health_records(snapshot.transitions, snapshot.inventory, source=self._source))
+
+    async def _loop(self) -> None:
         while not self._stopping:
             await self._wake.wait()
             self._wake.clear()

@@ -8,64 +8,56 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from datetime import UTC, datetime
-from typing import Any
-
-import orjson
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.records.consume import follow
+from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
+from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord
 from gpuid_agent.runtime import log
+from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.inventory import diff
+from gpuid_agent.state.snapshot import NodeSnapshot
 
-Record = dict[str, Any]
-SCHEMA_VERSION = 1
+__all__ = ["SCHEMA_VERSION", "ReadingEmitter", "Record", "reading_record", "record_id", "rfc3339"]
 _log = log.get("records")
 
 
-def rfc3339(moment: datetime) -> str:
-    """UTC RFC 3339 with millisecond precision and a Z suffix."""
-    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def record_id(record: Record) -> str:
-    """Deterministic id over every field but the id itself (sorted keys, canonical JSON)."""
-    body = {k: v for k, v in record.items() if k != "record_id"}
-    digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    return digest[:32]
-
-
 def reading_record(
-    inventory: NodeInventory, gpu: GpuIdentity, *, source: str, reason: str, change: str
+    inventory: NodeInventory,
+    gpu: GpuIdentity,
+    *,
+    source: str,
+    reason: str,
+    change: str,
+    read_time: str = "",
 ) -> Record:
-    record: Record = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "reading",
-        # gpuid's fields, same names and meaning
-        "cluster": inventory.cluster,
-        "node": inventory.node,
-        "machine": inventory.machine,
-        "source": source,
-        "chassis": gpu.chassis_serial or "",
-        "gpu": gpu.serial or "",
-        "read_time": rfc3339(inventory.read_time),
-        # ours
-        "uuid": gpu.uuid,
-        "index": gpu.index,
-        "model": gpu.name,
-        "pci_bus_id": gpu.pci_bus_id,
-        "module_id": gpu.module_id,
-        "board_part_number": gpu.board_part_number,
-        "driver_version": inventory.driver_version,
-        "machine_source": inventory.machine_source,
-        "mig_devices": [m.uuid for m in gpu.mig_devices],
-        "reason": reason,
-        "change": change,
-    }
-    record["record_id"] = record_id(record)
-    return record
+    """`read_time` is the inventory's, formatted once by the caller for a whole node."""
+    return to_wire(
+        ReadingRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="reading",
+            cluster=inventory.cluster,
+            node=inventory.node,
+            machine=inventory.machine,
+            source=source,
+            chassis=gpu.chassis_serial or "",
+            gpu=gpu.serial or "",
+            read_time=read_time or rfc3339(inventory.read_time),
+            uuid=gpu.uuid,
+            index=gpu.index,
+            model=gpu.name,
+            pci_bus_id=gpu.pci_bus_id,
+            module_id=gpu.module_id,
+            board_part_number=gpu.board_part_number,
+            driver_version=inventory.driver_version,
+            machine_source=inventory.machine_source,
+            mig_devices=tuple(m.uuid for m in gpu.mig_devices),
+            reason=reason,
+            change=change,
+        )
+    )
 
 
 def reading_records(
@@ -78,14 +70,20 @@ def reading_records(
 ) -> list[Record]:
     """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""
     changed = changed or {}
+    at = rfc3339(inventory.read_time)
     records = [
         reading_record(
-            inventory, gpu, source=source, reason=reason, change=changed.get(gpu.uuid, "unchanged")
+            inventory,
+            gpu,
+            source=source,
+            reason=reason,
+            change=changed.get(gpu.uuid, "unchanged"),
+            read_time=at,
         )
         for gpu in inventory.gpus
     ]
     records.extend(
-        reading_record(inventory, gpu, source=source, reason=reason, change="removed")
+        reading_record(inventory, gpu, source=source, reason=reason, change="removed", read_time=at)
         for gpu in removed
     )
     return records
@@ -150,7 +148,18 @@ class ReadingEmitter:
             _log.debug("emitting readings", extra={"count": len(records)})
             await self._publish(records)
 
-    async def run(self) -> None:
+    async def run(self, subscription: Subscription | None = None) -> None:
+        """Emit until stopped; with a subscription, each snapshot's inventory is offered and
+        the bus closing stops the emitter (after what the last snapshot owes)."""
+        if subscription is None:
+            await self._loop()
+        else:
+            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
+
+    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
+        self.offer(snapshot.inventory)
+
+    async def _loop(self) -> None:
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self._time_to_heartbeat())

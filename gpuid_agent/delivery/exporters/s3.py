@@ -31,24 +31,13 @@ from gpuid_agent.delivery.exporters.base import (
     gpuid_shape,
     json_bytes,
 )
+from gpuid_agent.records import columns
 from gpuid_agent.runtime.errors import ExportError
 
 if TYPE_CHECKING:
     from gpuid_agent.runtime.config import Settings
 
-GPUID_COLUMNS = ("cluster", "node", "machine", "source", "chassis", "gpu", "time")
-EXTRA_COLUMNS = (
-    "record_id",
-    "uuid",
-    "index",
-    "model",
-    "pci_bus_id",
-    "module_id",
-    "driver_version",
-    "reason",
-    "change",
-)
-CSV_COLUMNS = GPUID_COLUMNS + EXTRA_COLUMNS
+CSV_COLUMNS = columns.CSV_COLUMNS  # gpuid's seven first (`time` is its read_time), then ours
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _UNSAFE_SEGMENT = re.compile(r"[^A-Za-z0-9._=-]")  # prefix and partition keep Hive's `k=v`
 # Content problems S3 will never accept; anything else (auth, bucket, throttling) may heal.

@@ -19,54 +19,13 @@ from typing import Any
 import orjson
 
 from gpuid_agent.delivery.exporters.base import Record, json_bytes
+from gpuid_agent.records import columns
 
 VARCHAR = 255
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 
-READING_COLUMNS = (
-    "cluster",
-    "node",
-    "machine",
-    "source",
-    "chassis",
-    "gpu",
-    "read_time",
-    "record_id",
-    "schema_version",
-    "uuid",
-    "gpu_index",
-    "model",
-    "pci_bus_id",
-    "module_id",
-    "board_part_number",
-    "driver_version",
-    "machine_source",
-    "mig_devices",
-    "reason",
-    "change",
-    "attributes",
-)
-ALLOCATION_COLUMNS = (
-    "allocation_id",
-    "record_id",
-    "cluster",
-    "node",
-    "machine",
-    "gpu",
-    "uuid",
-    "mig_uuid",
-    "namespace",
-    "pod",
-    "pod_uid",
-    "container",
-    "resource_name",
-    "device_id",
-    "workload_kind",
-    "workload_name",
-    "started_at",
-    "ended_at",
-    "attributes",
-)
+READING_COLUMNS = tuple(c.name for c in columns.READINGS)
+ALLOCATION_COLUMNS = tuple(c.name for c in columns.ALLOCATIONS)
 EVENT_COLUMNS = ("record_id", "kind", "cluster", "node", "machine", "observed_at", "payload")
 
 # allocation column → record fields that may carry it, first match wins
@@ -172,28 +131,24 @@ def _record_id(record: Record) -> str:
 
 
 _TEXT, _TEXT_NOT_NULL, _INT, _LIST, _TIME, _ID = range(6)
+
+
+def _how(column: columns.Column) -> int:
+    if column.name == "record_id":
+        return _ID
+    head = column.sql.split("(")[0].split()[0]
+    if head == "TIMESTAMP":
+        return _TIME
+    if head == "INTEGER":
+        return _INT
+    if head == "TEXT[]":
+        return _LIST
+    return _TEXT_NOT_NULL if "NOT NULL" in column.sql else _TEXT
+
+
 # (record field, how its column takes it), in READING_COLUMNS order up to `attributes`
-_READING_SPEC: tuple[tuple[str, int], ...] = (
-    ("cluster", _TEXT_NOT_NULL),
-    ("node", _TEXT_NOT_NULL),
-    ("machine", _TEXT_NOT_NULL),
-    ("source", _TEXT_NOT_NULL),
-    ("chassis", _TEXT_NOT_NULL),
-    ("gpu", _TEXT_NOT_NULL),
-    ("read_time", _TIME),
-    ("record_id", _ID),
-    ("schema_version", _INT),
-    ("uuid", _TEXT),
-    ("index", _INT),
-    ("model", _TEXT),
-    ("pci_bus_id", _TEXT),
-    ("module_id", _INT),
-    ("board_part_number", _TEXT),
-    ("driver_version", _TEXT),
-    ("machine_source", _TEXT),
-    ("mig_devices", _LIST),
-    ("reason", _TEXT),
-    ("change", _TEXT),
+_READING_SPEC: tuple[tuple[str, int], ...] = tuple(
+    (c.source, _how(c)) for c in columns.READINGS if c.name != "attributes"
 )
 _READING_KNOWN = frozenset(name for name, _ in _READING_SPEC) | {"kind"}
 

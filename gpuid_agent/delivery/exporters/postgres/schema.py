@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gpuid_agent.records import columns
+
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
 # pg_advisory_lock key that serialises migrations of every agent ("gpuid" in ASCII).
 MIGRATION_LOCK = 0x6770756964
@@ -62,37 +64,15 @@ def migration(tables: Tables) -> list[str]:
     statements += [f"CREATE SCHEMA IF NOT EXISTS {s}" for s in sorted(schemas)]
     # gpuid's table as gpuid creates it, minus its UNIQUE over every column: a GB200
     # superchip's two dies share a serial, so that constraint would drop one of them.
+    gpuid = "".join(f"            {c.name} {c.sql},\n" for c in columns.READINGS if c.gpuid)
     statements.append(
         f"""CREATE TABLE IF NOT EXISTS {r} (
             id BIGSERIAL PRIMARY KEY,
-            cluster VARCHAR(255) NOT NULL,
-            node VARCHAR(255) NOT NULL,
-            machine VARCHAR(255) NOT NULL,
-            source VARCHAR(255) NOT NULL,
-            chassis VARCHAR(255) NOT NULL,
-            gpu VARCHAR(255) NOT NULL,
-            read_time TIMESTAMP WITH TIME ZONE NOT NULL,
-            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
+{gpuid}            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
         )"""
     )
     # Ours, added to a gpuid table too (a migrated table keeps its rows, record_id NULL).
-    extra = (
-        "chassis VARCHAR(255) NOT NULL DEFAULT ''",
-        "record_id VARCHAR(255)",
-        "schema_version INTEGER",
-        "uuid VARCHAR(255)",
-        "gpu_index INTEGER",
-        "model VARCHAR(255)",
-        "pci_bus_id VARCHAR(255)",
-        "module_id INTEGER",
-        "board_part_number VARCHAR(255)",
-        "driver_version VARCHAR(255)",
-        "machine_source VARCHAR(255)",
-        "mig_devices TEXT[]",
-        "reason VARCHAR(255)",
-        "change VARCHAR(255)",
-        "attributes JSONB",
-    )
+    extra = [c.ddl for c in columns.READINGS if not c.gpuid or c.default]
     statements += [f"ALTER TABLE {r} ADD COLUMN IF NOT EXISTS {c}" for c in extra]
     statements.append(
         f"CREATE UNIQUE INDEX IF NOT EXISTS {_index(r, 'record_id')} ON {r} (record_id)"
@@ -153,31 +133,23 @@ def migration(tables: Tables) -> list[str]:
 
 
 # Per-connection staging tables: COPY lands here, then one INSERT … SELECT moves the rows.
+
+
+def _staging(name: str, table: tuple[columns.Column, ...]) -> str:
+    body = ", ".join(f"{c.name} {c.staged}" for c in table)
+    return f"CREATE TEMP TABLE IF NOT EXISTS {name} ({body}) ON COMMIT DELETE ROWS"
+
+
 STAGING = (
-    f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_READINGS} (
-        cluster TEXT, node TEXT, machine TEXT, source TEXT, chassis TEXT, gpu TEXT,
-        read_time TIMESTAMPTZ, record_id TEXT, schema_version INTEGER, uuid TEXT,
-        gpu_index INTEGER, model TEXT, pci_bus_id TEXT, module_id INTEGER,
-        board_part_number TEXT, driver_version TEXT, machine_source TEXT, mig_devices TEXT[],
-        reason TEXT, change TEXT, attributes JSONB
-    ) ON COMMIT DELETE ROWS""",
-    f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_ALLOCATIONS} (
-        allocation_id TEXT, record_id TEXT, cluster TEXT, node TEXT, machine TEXT, gpu TEXT,
-        uuid TEXT, mig_uuid TEXT, namespace TEXT, pod TEXT, pod_uid TEXT, container TEXT,
-        resource_name TEXT, device_id TEXT, workload_kind TEXT, workload_name TEXT,
-        started_at TIMESTAMPTZ, ended_at TIMESTAMPTZ, attributes JSONB
-    ) ON COMMIT DELETE ROWS""",
+    _staging(STAGE_READINGS, columns.READINGS),
+    _staging(STAGE_ALLOCATIONS, columns.ALLOCATIONS),
     f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_EVENTS} (
         record_id TEXT, kind TEXT, cluster TEXT, node TEXT, machine TEXT,
         observed_at TIMESTAMPTZ, payload JSONB
     ) ON COMMIT DELETE ROWS""",
 )
 
-_READING_TARGET = (
-    "cluster, node, machine, source, chassis, gpu, read_time, record_id, schema_version, uuid, "
-    "gpu_index, model, pci_bus_id, module_id, board_part_number, driver_version, "
-    "machine_source, mig_devices, reason, change, attributes"
-)
+_READING_TARGET = ", ".join(c.name for c in columns.READINGS)
 
 
 def insert_readings(tables: Tables) -> str:

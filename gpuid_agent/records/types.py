@@ -1,0 +1,104 @@
+"""One frozen record type per kind. Field order is the wire order; `serialize.to_wire` turns
+any of them into the dict exporters and the spool receive (`delivery.exporters.base.Record`).
+
+Reading and health ids hash what the record says, so they are computed by the serializer and
+are not fields here; an allocation's id hashes (allocation_id, event) and is carried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEMA_VERSION = 1
+Kind = Literal["reading", "allocation", "health"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadingRecord:
+    schema_version: int
+    kind: Literal["reading"]
+    # gpuid's fields, same names and meaning
+    cluster: str
+    node: str
+    machine: str
+    source: str
+    chassis: str
+    gpu: str
+    read_time: str
+    # ours
+    uuid: str
+    index: int
+    model: str | None
+    pci_bus_id: str | None
+    module_id: int | None
+    board_part_number: str | None
+    driver_version: str | None
+    machine_source: str
+    mig_devices: tuple[str, ...]
+    reason: str
+    change: str
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationRecord:
+    schema_version: int
+    kind: Literal["allocation"]
+    record_id: str
+    event: Literal["start", "end"]
+    cluster: str
+    node: str
+    machine: str
+    machine_source: str
+    source: str
+    chassis: str
+    gpu: str
+    read_time: str
+    allocation_id: str
+    serial: str | None
+    uuid: str
+    gpu_index: int | None
+    mig_uuid: str | None
+    mig_gpu_instance_id: int | None
+    mig_profile: str | None
+    namespace: str
+    pod: str
+    pod_uid: str | None
+    container: str
+    resource_name: str
+    device_id: str
+    replica: int | None
+    workload_kind: str | None
+    workload_name: str | None
+    started_at: str
+    start_observed: bool
+    ended_at: str | None
+    end_observed: bool | None
+    # Only an end the agent did not see (it happened while the agent was down) carries it.
+    last_seen_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthRecord:
+    schema_version: int
+    kind: Literal["health"]
+    cluster: str
+    node: str
+    machine: str
+    source: str
+    chassis: str
+    gpu: str
+    read_time: str
+    uuid: str | None
+    index: int | None
+    check: str
+    state: str
+    previous_state: str | None
+    action: str
+    reason: str | None
+    since: str
+    gpu_state: str | None
+    machine_source: str
+
+
+AnyRecord = ReadingRecord | AllocationRecord | HealthRecord
