@@ -1,6 +1,6 @@
 """/gpu/metrics at 1,024 pods with dcgm naming: render time, and /healthz latency during renders.
 
-dcgm naming repeats every telemetry series per holder, so 8 GPUs × 128 pods is the heaviest
+dcgm naming repeats every telemetry series per holder, so 8 GPUs x 128 pods is the heaviest
 body the agent makes. The /healthz row runs the real app on a real aiohttp server, publishes a
 new snapshot as soon as the last one is rendered (renders back to back) and polls /healthz
 ~100 times a second; the "on the loop" row is the old approach (render called on the loop) for
@@ -119,7 +119,7 @@ def render_rows() -> list[Row]:
     from prometheus_client.openmetrics import exposition as om
 
     text = generate_latest(registry)
-    note = f"{GPUS} GPUs × {PODS // GPUS} pods, {len(text) // 1024} KiB"
+    note = f"{GPUS} GPUs x {PODS // GPUS} pods, {len(text) // 1024} KiB"
     return [
         Row(
             "serving",
