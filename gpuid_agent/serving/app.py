@@ -2,6 +2,8 @@
 
 Handlers only read state the background tasks already prepared; none of them does NVML,
 kubelet or API work, so a scrape storm cannot slow collection down or the other way round.
+The one await is the OpenMetrics body, made in a worker thread on its first request per
+snapshot (and shared by the scrapes that arrive meanwhile).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""/gpu/metrics: per-GPU telemetry rendered once per collection into cached bytes.
+"""/gpu/metrics families of one snapshot, and their exposition (renderer.py decides when).
 
-A scrape only hands out the last rendered bytes; it never calls NVML, the kubelet or the API.
+The field and label tables are in metrics_fields.py, the health families in
+health_families.py. A scrape only hands out bytes rendered from a snapshot; it never calls
+NVML, the kubelet or the API.
 Two namings: Prometheus conventions (default) and dcgm-exporter's field and label names, so
 existing dashboards keep working.
 
