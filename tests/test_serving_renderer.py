@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
@@ -23,6 +24,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
+from tests.conftest import eventually
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 
@@ -209,3 +211,40 @@ class Healthy:
 
     def status(self) -> dict[str, Any]:
         return {}
+
+
+class FailOn(Recorder):
+    """Fails the first render of the given (format, seq) pairs, as a render bug would."""
+
+    def __init__(self, *failing: tuple[str, int]) -> None:
+        super().__init__()
+        self.failing = set(failing)
+
+    def __call__(self, fmt: str, seq: int) -> None:
+        super().__call__(fmt, seq)
+        if (fmt, seq) in self.failing:
+            self.failing.discard((fmt, seq))
+            raise RuntimeError(f"render of {fmt} {seq} failed")
+
+
+async def test_a_failed_render_keeps_the_last_body_and_the_next_one_is_tried() -> None:
+    recorder = FailOn(("text", 2), ("openmetrics", 3))
+    renderer = MetricsRenderer("prometheus", (), None)
+    renderer.observer = recorder
+    bus = SnapshotBus()
+    task = asyncio.create_task(renderer.run(bus.subscribe("render")))
+    try:
+        bus.publish(snapshot(1))
+        await asyncio.wait_for(renderer.wait_rendered(1), 10)
+        bus.publish(snapshot(2))  # its render fails: snapshot 1 stays served
+        await eventually(lambda: ("text", 2) in {(f, s) for f, s, _ in recorder.calls})
+        bus.publish(snapshot(3))
+        await asyncio.wait_for(renderer.wait_rendered(3), 10)
+        assert temperature(renderer.text()) == 3.0 and not task.done()
+        with pytest.raises(RuntimeError):
+            await renderer.openmetrics()
+        assert (await renderer.openmetrics()).endswith(b"# EOF\n")  # a failed try is not cached
+        assert recorder.count("openmetrics") == 2
+    finally:
+        bus.close()
+        await asyncio.wait_for(task, 10)
