@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
@@ -47,6 +47,7 @@ from gpuid_agent.serving.metrics_fields import (
     pod_label_columns,
     pod_label_name,
 )
+from gpuid_agent.serving.text_exposition import write_text
 from gpuid_agent.state.attribution.model import Attribution, Holder
 from gpuid_agent.state.health.model import NodeHealth
 
@@ -67,14 +68,15 @@ __all__ = [
     "Naming",
     "RenderOptions",
     "RenderedMetrics",
+    "as_registry",
     "build_families",
     "build_health_families",
+    "collect",
     "expose",
     "health_metric_names",
     "metric_names",
     "pod_label_columns",
     "pod_label_name",
-    "registry",
     "render",
 ]
 
@@ -216,7 +218,7 @@ class RenderedMetrics:
 Format = Literal["text", "openmetrics"]
 
 
-def registry(
+def collect(
     inventory: NodeInventory,
     samples: Mapping[str, GpuSample],
     naming: Naming,
@@ -224,20 +226,24 @@ def registry(
     *,
     attribution: Attribution | None = None,
     options: RenderOptions | None = None,
-) -> CollectorRegistry:
+) -> list[Metric]:
     """Every /gpu/metrics family of one collection, ready for either exposition format."""
     families = build_families(inventory, samples, naming, attribution, options)
     if health is not None:
         families.extend(build_health_families(inventory, health, naming))
+    return families
+
+
+def as_registry(families: list[Metric]) -> CollectorRegistry:
     collected = CollectorRegistry(auto_describe=False)
     collected.register(_Families(families))
     return collected
 
 
-def expose(collected: CollectorRegistry, fmt: Format) -> bytes:
+def expose(families: list[Metric], fmt: Format) -> bytes:
     if fmt == "text":
-        return generate_latest(collected)
-    return openmetrics.generate_latest(collected)  # type: ignore[no-untyped-call,no-any-return]
+        return write_text(families)
+    return openmetrics.generate_latest(as_registry(families))  # type: ignore[no-untyped-call,no-any-return]
 
 
 def render(
@@ -250,10 +256,8 @@ def render(
     options: RenderOptions | None = None,
 ) -> RenderedMetrics:
     """Both formats at once (the renderer makes OpenMetrics only when a client asks)."""
-    collected = registry(
-        inventory, samples, naming, health, attribution=attribution, options=options
-    )
-    return RenderedMetrics(expose(collected, "text"), expose(collected, "openmetrics"))
+    families = collect(inventory, samples, naming, health, attribution=attribution, options=options)
+    return RenderedMetrics(expose(families, "text"), expose(families, "openmetrics"))
 
 
 EMPTY = RenderedMetrics(text=b"", openmetrics=b"# EOF\n")

@@ -111,7 +111,7 @@ class MetricsRenderer:
     def _render(self, snapshot: NodeSnapshot, fmt: gpu_metrics.Format) -> bytes:
         if self.observer is not None:
             self.observer(fmt, snapshot.seq)
-        collected = gpu_metrics.registry(
+        families = gpu_metrics.collect(
             snapshot.inventory,
             snapshot.samples,
             self._naming,
@@ -119,4 +119,4 @@ class MetricsRenderer:
             attribution=snapshot.attribution,
             options=self._options,
         )
-        return gpu_metrics.expose(collected, fmt)
+        return gpu_metrics.expose(families, fmt)
