@@ -2,6 +2,8 @@
 
 Handlers only read state the background tasks already prepared; none of them does NVML,
 kubelet or API work, so a scrape storm cannot slow collection down or the other way round.
+The one await is the OpenMetrics body, made in a worker thread on its first request per
+snapshot (and shared by the scrapes that arrive meanwhile).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-
-from gpuid_agent.serving.gpu_metrics import RenderedMetrics
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,7 +26,11 @@ class HealthView(Protocol):
 
 
 class MetricsView(Protocol):
-    def current(self) -> RenderedMetrics: ...
+    """The /gpu/metrics bodies: the text format is always ready; OpenMetrics is made on
+    the first request for a snapshot (off the loop) and awaited by the scrapes that want it."""
+
+    def text(self) -> bytes: ...
+    async def openmetrics(self) -> bytes: ...
 
 
 def _wants_openmetrics(request: web.Request) -> bool:
@@ -45,10 +49,10 @@ def build_app(
     page: HealthView, renderer: MetricsView, registry: CollectorRegistry
 ) -> web.Application:
     async def gpu_metrics(request: web.Request) -> web.Response:
-        rendered = renderer.current()
         if _wants_openmetrics(request):
-            return web.Response(body=rendered.openmetrics, headers={"Content-Type": OPENMETRICS})
-        return web.Response(body=rendered.text, headers={"Content-Type": TEXT})
+            body = await renderer.openmetrics()
+            return web.Response(body=body, headers={"Content-Type": OPENMETRICS})
+        return web.Response(body=renderer.text(), headers={"Content-Type": TEXT})
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))

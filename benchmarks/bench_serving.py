@@ -1,0 +1,275 @@
+"""/gpu/metrics at 1,024 pods with dcgm naming: render time, and /healthz latency during renders.
+
+dcgm naming repeats every telemetry series per holder, so 8 GPUs x 128 pods is the heaviest
+body the agent makes. The /healthz row runs the real app on a real aiohttp server, publishes a
+new snapshot as soon as the last one is rendered (renders back to back) and polls /healthz
+~100 times a second; the "on the loop" row is the old approach (render called on the loop) for
+comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+
+from benchmarks.agentproc import free_port
+from benchmarks.common import Row, median, percentile
+from gpuid_agent.model import GpuIdentity, GpuSample
+from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.serving.app import build_app
+from gpuid_agent.serving.renderer import MetricsRenderer
+from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.bus import SnapshotBus, Subscription
+from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.snapshot import NodeSnapshot
+
+GPUS = 8
+PODS = 1024
+NAMING: gpu_metrics.Naming = "dcgm"
+POLL_HZ = 100
+POLL_SECONDS = 4.0
+PUBLISH_EVERY = 0.05
+
+
+def snapshot(seq: int) -> NodeSnapshot:
+    gpus = [
+        GpuIdentity(
+            index=i,
+            uuid=f"GPU-{i:08d}-0000-4000-8000-000000000000",
+            serial=f"16520000{i:04d}",
+            name="NVIDIA H100 80GB HBM3",
+            pci_bus_id=f"00000000:{i + 0x10:02X}:00.0",
+        )
+        for i in range(GPUS)
+    ]
+    inventory = build_inventory(
+        gpus,
+        node="bench-node",
+        cluster="bench",
+        machine="m",
+        machine_source="bench",
+        driver_version="570.86.15",
+        cuda_driver_version="12.8",
+        read_time=datetime.now(UTC),
+    )
+    per_gpu = PODS // GPUS
+    by_device = {
+        gpu.uuid: tuple(
+            Holder(f"team-{r % 4}", f"job-{gpu.index}-{r}", "main", workload_kind="Job")
+            for r in range(per_gpu)
+        )
+        for gpu in gpus
+    }
+    samples = {
+        gpu.uuid: GpuSample(gpu.uuid, {f.key: float(seq % 97 + n) for n, f in enumerate(FIELDS)})
+        for gpu in gpus
+    }
+    return NodeSnapshot(
+        seq=seq,
+        cause="collection",
+        inventory=inventory,
+        samples=samples,
+        health=NodeHealth(),
+        attribution=Attribution("current", by_device=by_device),
+    )
+
+
+FIELDS = gpu_metrics.FIELDS
+
+
+OPTIONS = gpu_metrics.RenderOptions(workload_labels=True)
+
+
+def _render_both(snap: NodeSnapshot) -> gpu_metrics.RenderedMetrics:
+    """What each snapshot cost before: families, prometheus_client text and OpenMetrics."""
+    families = gpu_metrics.collect(
+        snap.inventory,
+        snap.samples,
+        NAMING,
+        snap.health,
+        attribution=snap.attribution,
+        options=OPTIONS,
+    )
+    registry = gpu_metrics.as_registry(families)
+    return gpu_metrics.RenderedMetrics(
+        generate_latest(registry), gpu_metrics.expose(families, "openmetrics")
+    )
+
+
+def _render_on_loop(snap: NodeSnapshot) -> gpu_metrics.RenderedMetrics:
+    return _render_both(snap)
+
+
+def _timed(fn: Callable[[], Any], times: int) -> float:
+    took = []
+    for _ in range(times):
+        started = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - started)
+    return median(took) * 1000
+
+
+def render_rows() -> list[Row]:
+    snap = snapshot(1)
+
+    def families() -> list[Metric]:
+        return gpu_metrics.collect(
+            snap.inventory,
+            snap.samples,
+            NAMING,
+            snap.health,
+            attribution=snap.attribution,
+            options=OPTIONS,
+        )
+
+    collected = families()
+    text = gpu_metrics.expose(collected, "text")
+    registry = gpu_metrics.as_registry(collected)
+    note = f"{GPUS} GPUs x {PODS // GPUS} pods, {len(text) // 1024} KiB"
+    group = "serving"
+    prefix = "render 1,024 pods dcgm"
+    return [
+        Row(group, f"{prefix}: families", _timed(families, 3), "ms", note),
+        Row(
+            group,
+            f"{prefix}: text",
+            _timed(lambda: gpu_metrics.expose(collected, "text"), 3),
+            "ms",
+            "what the renderer does per snapshot (plus families)",
+        ),
+        Row(
+            group,
+            f"{prefix}: text, prometheus_client",
+            _timed(lambda: generate_latest(registry), 3),
+            "ms",
+            "the exposition used before",
+        ),
+        Row(
+            group,
+            f"{prefix}: OpenMetrics",
+            _timed(lambda: gpu_metrics.expose(collected, "openmetrics"), 3),
+            "ms",
+            "only on negotiation, once per snapshot",
+        ),
+        Row(
+            group,
+            f"{prefix}: both formats (before)",
+            _timed(lambda: _render_both(snap), 3),
+            "ms",
+            "families + prometheus_client text + OpenMetrics",
+        ),
+    ]
+
+
+class _Healthy:
+    def liveness(self) -> tuple[bool, list[str]]:
+        return True, []
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        return True, []
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+class _OnLoop:
+    """The old approach: each snapshot rendered on the event loop."""
+
+    def __init__(self) -> None:
+        self.rendered = gpu_metrics.EMPTY
+        self.seq = 0
+        self.renders = 0
+
+    def text(self) -> bytes:
+        return self.rendered.text
+
+    async def openmetrics(self) -> bytes:
+        return self.rendered.openmetrics
+
+    async def run(self, subscription: Subscription) -> None:
+        async for snap in subscription:
+            self.rendered = _render_on_loop(snap)
+            self.seq = snap.seq
+            self.renders += 1
+
+
+async def _healthz_during_renders(
+    renderer: Any, run: Callable[[Subscription], Awaitable[None]]
+) -> tuple[list[float], int]:
+    bus = SnapshotBus()
+    app = build_app(_Healthy(), renderer, CollectorRegistry(auto_describe=False))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    task = asyncio.create_task(run(bus.subscribe("render")))
+    stop = asyncio.Event()
+
+    base = snapshot(1)
+
+    async def publish() -> None:
+        # a snapshot every PUBLISH_EVERY (collections and XIDs): renders run back to back
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            bus.publish(dataclasses.replace(base, seq=seq))
+            await asyncio.sleep(PUBLISH_EVERY)
+
+    publisher = asyncio.create_task(publish())
+    latencies: list[float] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{port}/healthz"
+            deadline = time.perf_counter() + POLL_SECONDS
+            next_at = time.perf_counter()
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                async with http.get(url) as resp:
+                    await resp.read()
+                latencies.append(time.perf_counter() - started)
+                next_at += 1 / POLL_HZ
+                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+    finally:
+        stop.set()
+        publisher.cancel()
+        task.cancel()
+        await asyncio.gather(publisher, task, return_exceptions=True)
+        bus.close()
+        await runner.cleanup()
+    return latencies, getattr(renderer, "renders", renderer.seq)
+
+
+def _latency_rows(label: str, latencies: list[float], renders: int) -> list[Row]:
+    ms = [x * 1000 for x in latencies]
+    note = f"{renders} renders, {len(ms)} of {POLL_SECONDS * POLL_HZ:.0f} probes served"
+    return [
+        Row("serving", f"/healthz p50 during renders ({label})", percentile(ms, 50), "ms", note),
+        Row(
+            "serving",
+            f"/healthz p99 during renders ({label})",
+            percentile(ms, 99),
+            "ms",
+            "target < 20",
+        ),
+        Row("serving", f"/healthz max during renders ({label})", max(ms), "ms", ""),
+    ]
+
+
+async def run() -> list[Row]:
+    rows = render_rows()
+    on_loop = _OnLoop()
+    rows += _latency_rows("on the loop", *await _healthz_during_renders(on_loop, on_loop.run))
+    renderer = MetricsRenderer(NAMING, (), object())
+    rows += _latency_rows("renderer", *await _healthz_during_renders(renderer, renderer.run))
+    return rows

@@ -1,0 +1,65 @@
+"""/gpu/metrics health families.
+
+One series per GPU and check (and "overall") with value 1, labelled with its current state
+and suggested action: `gpuid_gpu_health_state{state="unhealthy"} == 1` finds every broken
+GPU. Only the current state is exposed, so a node costs one series per check, not five.
+The names are the same under both namings (dcgm-exporter has no equivalent), except that
+dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as dcgm-exporter reports it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpuid_agent.model import NodeInventory
+from gpuid_agent.serving.metrics_fields import (
+    DCGM_XID,
+    HEALTH_STATE,
+    LABELS,
+    NODE_HEALTH_STATE,
+    XID_ERRORS,
+    Naming,
+    label_values,
+)
+from gpuid_agent.state.health.model import NodeHealth
+
+
+def build_health_families(
+    inventory: NodeInventory, health: NodeHealth, naming: Naming
+) -> list[Metric]:
+    dcgm = naming == "dcgm"
+    label_names = [d if dcgm else p for p, d in LABELS]
+    state = GaugeMetricFamily(
+        HEALTH_STATE,
+        "GPU health per check (and overall): 1 on the series of the current state and action.",
+        labels=[*label_names, "check", "state", "action"],
+    )
+    xids = CounterMetricFamily(
+        XID_ERRORS,
+        "XID errors reported by the driver since the agent started, by code.",
+        labels=[*label_names, "xid"],
+    )
+    last_xid = GaugeMetricFamily(DCGM_XID, "Value of the last XID error seen.", labels=label_names)
+    by_uuid = inventory.gpu_by_uuid()
+    for gpu_health in health.gpus:
+        gpu = by_uuid.get(gpu_health.uuid)
+        if gpu is None:
+            continue
+        values = label_values(inventory, gpu)
+        state.add_metric([*values, "overall", gpu_health.state, gpu_health.action], 1)
+        for name, check in gpu_health.checks.items():
+            state.add_metric([*values, name, check.state, check.action], 1)
+        for code, count in sorted(gpu_health.xid_counts.items()):
+            xids.add_metric([*values, str(code)], count)
+        last_xid.add_metric(values, gpu_health.last_xid or 0)
+    node = GaugeMetricFamily(
+        NODE_HEALTH_STATE,
+        "Node-level GPU health checks: 1 on the series of the current state and action.",
+        labels=["hostname" if not dcgm else "Hostname", "check", "state", "action"],
+    )
+    for name, check in health.node_checks.items():
+        node.add_metric([inventory.node, name, check.state, check.action], 1)
+    families: list[Metric] = [state, node, xids]
+    if dcgm:
+        families.append(last_xid)
+    return families
