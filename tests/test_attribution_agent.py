@@ -262,7 +262,7 @@ async def test_a_new_pod_is_rendered_without_waiting_for_nvml(
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
     async with running_agent(make_agent(fake_nvml, kubelet, collect_interval=3600)) as agent:
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.renderer.seq >= 1)  # the first render is installed
         families = await scrape(agent)
         assert holders(families)[(config.gpus[3].uuid, "")] == NOBODY
         kubelet.pods = [pod("a", "late", "c", "nvidia.com/gpu", config.gpus[3].uuid or "")]

@@ -128,7 +128,7 @@ async def test_fields_in_both_namings(fake_nvml: FakeNvml, naming: str) -> None:
         s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
     async with running_agent(agent):
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.renderer.seq >= 1)  # the first render is installed
         families = await scrape(agent)
     dcgm = naming == "dcgm"
     uuid_label = "UUID" if dcgm else "uuid"

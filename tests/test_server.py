@@ -88,7 +88,7 @@ async def test_dcgm_naming() -> None:
         running_agent(Agent(s, exporters=[StdoutExporter(io.BytesIO())])) as agent,
         aiohttp.ClientSession() as http,
     ):
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.renderer.seq >= 1)  # the first render is installed
         async with http.get(_url(agent, "/gpu/metrics")) as resp:
             families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     used = families["DCGM_FI_DEV_FB_USED"].samples

@@ -136,7 +136,7 @@ class Collector:
         if reading.lost:
             self._metrics.collection_errors.labels("gpu_lost").inc(len(reading.lost))
         ident = self.identity
-        self.inventory = build_inventory(
+        inventory = build_inventory(
             reading.gpus,
             node=ident.node,
             cluster=ident.cluster,
@@ -146,11 +146,14 @@ class Collector:
             cuda_driver_version=reading.cuda_driver_version,
             read_time=datetime.now(UTC),
         )
-        signals, transitions = await self._check_health(self.inventory, reading)
-        # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too
+        signals, transitions = await self._check_health(inventory, reading)
+        # Inventory and samples change together: a snapshot published meanwhile (attribution,
+        # XID) must not pair the new GPUs with the last pass's telemetry.
+        # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too.
+        self.inventory = inventory
         self.samples = with_health_fields(reading.samples, signals.values())
         self._publish("collection", transitions)
-        self._metrics.gpu_count.set(len(self.inventory.gpus))
+        self._metrics.gpu_count.set(len(inventory.gpus))
         self._metrics.nvml_up.set(1)
         if reading.lost:
             lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))
