@@ -118,8 +118,12 @@ async def test_trail_owes_records_again_when_the_durable_hand_off_fails() -> Non
     trail.offer(Attribution("current", (alloc("a", "GPU-n1-0"),)), inventory())
     with pytest.raises(OSError, match="spool disk full"):
         await trail.run()
-    assert trail.status()["open"] == 0
+    # the open set counts the allocation, and its start is still owed (pending)
+    assert trail.status()["open"] == 1
+    assert [r["event"] for r in trail.pending] == ["start"]
+    assert out == []
     failing = False
     trail.stop()
     await asyncio.wait_for(trail.run(), 5)  # as the supervisor restarts it
     assert [(r["event"], r["pod"], r["start_observed"]) for r in out] == [("start", "a", False)]
+    assert trail.pending == []

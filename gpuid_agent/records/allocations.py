@@ -10,7 +10,10 @@ Restarts: open allocations are kept in `<STATE_DIR>/allocations.json`. After a r
 first good kubelet snapshot is compared with that file: what is still there stays open (no
 second start); what is gone ended while the agent was down and is closed with ended_at = the
 time the agent saw it gone, `end_observed: false` and `last_seen_at` = when it was last known
-open (the file is re-saved every minute). Without STATE_DIR the agent re-announces the open
+open (the file is re-saved every minute). The records a change owes are written into the file
+with the new open set before they are published, and cleared once every exporter's spool holds
+them: a kill in between re-publishes them on restart (same record ids) instead of losing a start
+or an end whose allocation is gone by then. Without STATE_DIR the agent re-announces the open
 allocations under the same record ids, and allocations that ended while it was down are never
 closed.
 """
@@ -106,6 +109,7 @@ class AllocationTrail:
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.open: dict[Key, Record] = {}
         self._restored = False
+        self.pending: list[Record] = []  # owed by the saved open set, not yet in every spool
         self._restored_saved_at = ""
         self._first = True
         self._latest: tuple[Attribution, NodeInventory] | None = None
@@ -132,6 +136,7 @@ class AllocationTrail:
                 raise ValueError("state file is for another version or node")
             records = [r for r in state["open"] if isinstance(r, dict)]
             opened = {self._record_key(r): r for r in records}
+            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             # A damaged file must not stop the agent: start over, as without STATE_DIR.
             _log.warning(
@@ -139,7 +144,7 @@ class AllocationTrail:
                 extra={"path": str(self.state_path), "error": str(exc)},
             )
             return
-        self.open = opened
+        self.open, self.pending = opened, pending
         self._restored = True
         self._restored_saved_at = str(state.get("saved_at") or "")
         _log.info("restored open allocations", extra={"count": len(opened)})
@@ -161,6 +166,7 @@ class AllocationTrail:
                 "node": self.identity.node,
                 "saved_at": rfc3339(self._clock()),
                 "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
+                "pending": self.pending,
             },
             option=orjson.OPT_SORT_KEYS,
         )
@@ -292,27 +298,24 @@ class AllocationTrail:
             self._latest = (attribution, inventory)
             self._wake.set()
 
+    async def _deliver(self) -> None:
+        # Write-ahead: the saved open set already counts these records as sent, so they are
+        # saved with it as pending, handed durably to every exporter, then cleared. A kill at
+        # any point re-publishes them on restart under the same record ids; none is lost.
+        await self._save()
+        await self._publish_durable(self.pending)
+        self.pending = []
+        await self._save()
+
     async def _step(self) -> None:
         latest, self._latest = self._latest, None
         if latest is None:
             return
-        before = dict(self.open), self._first
         records = self.diff(*latest)
         if records:
             _log.debug("allocation records", extra={"count": len(records)})
-            # Durable first: the state file says these were sent, so it may only be saved
-            # once every exporter's spool holds them. A kill in between re-sends them after
-            # the restart under the same (deterministic) record ids.
-            try:
-                await self._publish_durable(records)
-            except BaseException:
-                # Not held anywhere: forget the diff so the next snapshot (or a restarted
-                # task) owes these records again instead of a later save marking them sent.
-                self.open, self._first = before
-                if self._latest is None:
-                    self._latest = latest
-                raise
-            await self._save()
+            self.pending = self.pending + records
+            await self._deliver()
 
     async def run(self, subscription: Subscription | None = None) -> None:
         """With a subscription, snapshots whose pod metadata is in (`pods_ready`) and whose
@@ -330,6 +333,8 @@ class AllocationTrail:
         """Publish what each offered snapshot owes. The state file is also re-saved every
         STATE_REFRESH seconds while allocations are open, so after a crash `last_seen_at`
         bounds when an allocation that vanished meanwhile was last known to be open."""
+        if self.pending:  # left by a kill between saving the state file and publishing
+            await self._deliver()
         while not self._stopping:
             try:
                 async with asyncio.timeout(STATE_REFRESH):  # not wait_for: 3.11's can eat a cancel
