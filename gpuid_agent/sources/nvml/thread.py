@@ -95,11 +95,11 @@ class NvmlThread:
             try:
                 result = fn()
             except BaseException as exc:  # handed to the waiter, which re-raises it
+                self._current = self._call = None  # idle before the waiter wakes
                 future.set_exception(exc)
             else:
-                future.set_result(result)
-            finally:
                 self._current = self._call = None
+                future.set_result(result)
         self._fail_queued()
 
     def _fail_queued(self) -> None:
