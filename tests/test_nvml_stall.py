@@ -24,7 +24,7 @@ BOUND = 0.3  # the call bound of these sources; short, as nothing waits for it t
 
 
 def nvml_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("nvml-") and t.name != "nvml-xid"]
+    return [t for t in threading.enumerate() if t.name.startswith("nvml_")]
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ class NvmlThread:
         self._current: str | None = None  # the job running now
         self._call: tuple[str, float] | None = None  # (NVML call, monotonic start) within it
         self._abandoned = False
-        self.thread = threading.Thread(target=self._run, name=f"nvml-{next(_ids)}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"nvml_{next(_ids)}", daemon=True)
         self.thread.start()
 
     def submit(self, name: str, fn: Callable[[], Any]) -> Future[Any]:
