@@ -73,17 +73,23 @@ class NvmlSource:
         if len(self._hung) >= MAX_HUNG_THREADS:
             raise NvmlStalledError(f"{len(self._hung)} NVML calls hung: {self._hung_reason()}")
         worker = self._thread
-        future = worker.submit(job, fn)
+        waiter = asyncio.wrap_future(worker.submit(job, fn))
+        # asyncio.wait, not wait_for: wait_for (3.11) can swallow a cancellation that races
+        # the result, and a collector that ignores its cancel would hold shutdown forever.
         try:
-            return cast(T, await asyncio.wait_for(asyncio.wrap_future(future), bound))
-        except TimeoutError:
-            busy = worker.busy()
-            what = busy[0] if busy else job
-            reason = f"NVML call {what} did not return within {bound:g}s"
-            self._give_up(worker, replace)
-            self.last_error = reason
-            _log.error("NVML call hung: giving its thread up", extra={"call": what})
-            raise NvmlStalledError(reason) from None
+            await asyncio.wait({waiter}, timeout=bound)
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        if not waiter.cancelled():
+            return cast(T, waiter.result())
+        busy = worker.busy()
+        what = busy[0] if busy else job
+        reason = f"NVML call {what} did not return within {bound:g}s"
+        self._give_up(worker, replace)
+        self.last_error = reason
+        _log.error("NVML call hung: giving its thread up", extra={"call": what})
+        raise NvmlStalledError(reason)
 
     def _give_up(self, worker: NvmlThread, replace: bool) -> None:
         worker.abandon()

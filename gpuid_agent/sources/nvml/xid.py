@@ -103,8 +103,11 @@ class XidWatcher:
 
         self._on_exit = on_exit
         if thread.is_alive():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ended.wait(), within)
+            waiter = asyncio.ensure_future(ended.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=within)
+            finally:
+                waiter.cancel()
         return not thread.is_alive()
 
     # ---- the thread --------------------------------------------------------------------
