@@ -35,7 +35,7 @@ from gpuid_agent.serving.status_page import StatusPage
 from gpuid_agent.simulate.environment import node_environment
 from gpuid_agent.sources.kube.client import KubeClient, open_shared_client, request_counter
 from gpuid_agent.sources.nvml.api import NvmlApi
-from gpuid_agent.sources.nvml.reader import NvmlSource
+from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
@@ -63,8 +63,9 @@ class Agent:
             s, self.environment.pod_resources_socket, self.board, self.metrics.attribution
         )
         self.pod_resources = self.attributor.source
+        nvml = NvmlSource(self.environment.nvml_api, call_timeout=s.effective_stall_timeout())
         self.collector = Collector(
-            s, self.identity, NvmlSource(self.environment.nvml_api), self.attributor, self.bus,
+            s, self.identity, nvml, self.attributor, self.bus,
             metrics=self.metrics, board=self.board,
         )  # fmt: skip
         self.health, self.xid = self.collector.health, self.collector.health.xid
@@ -176,7 +177,7 @@ class Agent:
         for worker in self.pipeline.workers:
             await worker.exporter.close()
         await self.health.close(min(left(), 2.0))
-        await self.collector.nvml.close()
+        await self.collector.nvml.close(max(0.5, min(left(), 2.0)))
         await self.pod_resources.client.close()
         if self.kube is not None:
             await self.kube.close()

@@ -18,7 +18,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.sources.nvml.api import PynvmlApi
 from gpuid_agent.sources.nvml.health import HealthReader
-from gpuid_agent.sources.nvml.reader import NvmlSource
+from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings

@@ -17,16 +17,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
-from gpuid_agent.runtime.errors import NvmlError
+from gpuid_agent.runtime.errors import NvmlError, NvmlStalledError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.nvml.reader import NvmlReading, NvmlSource, with_health_fields
+from gpuid_agent.sources.nvml.reader import NvmlReading, with_health_fields
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import count_allocatable_gpus
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
@@ -127,6 +129,9 @@ class Collector:
             if not self.nvml.initialised:
                 await self.nvml.init()
             reading = await self.nvml.read()
+        except NvmlStalledError as exc:
+            self._nvml_down(str(exc), "stalled", state="stalled")
+            return False
         except NvmlError as exc:
             self._nvml_down(str(exc), "read" if self.nvml.initialised else "init")
             return False
@@ -177,10 +182,12 @@ class Collector:
             self._board.set("health", "degraded", f"health read failed: {exc!r}")
         return {}, []
 
-    def _nvml_down(self, reason: str, stage: str) -> None:
+    def _nvml_down(
+        self, reason: str, stage: str, state: Literal["unavailable", "stalled"] = "unavailable"
+    ) -> None:
         self._metrics.nvml_up.set(0)
         self._metrics.collection_errors.labels(stage).inc()
-        self._board.set("nvml", "unavailable", reason)
+        self._board.set("nvml", state, reason)
 
     async def run(self) -> None:
         while True:
@@ -197,7 +204,7 @@ class Collector:
         busy = self._busy_since
         if busy is not None and time.monotonic() - busy > self._stall_after:
             return f"collection running for {time.monotonic() - busy:.0f}s"
-        return None
+        return self.nvml.stalled(self._stall_after)
 
     # ---- events ----------------------------------------------------------------------------
 

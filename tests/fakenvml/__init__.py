@@ -225,9 +225,11 @@ class FakeGpu:
     errors: dict[str, int] = field(default_factory=dict)
     mig: list[FakeMig] = field(default_factory=list)
     xids: list[tuple[int, int]] = field(default_factory=list)  # (xid code, after_n_waits)
+    # field key (function name, key or group, as for errors) -> seconds its calls hang
+    blocks: dict[str, float] = field(default_factory=dict)
 
 
-_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids"})
+_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids", "blocks"})
 _SPECIAL_MIG_FIELDS = frozenset({"errors"})
 
 
@@ -262,6 +264,8 @@ class FakeNvmlConfig:
     cuda_driver_version: int = 12080
     init_error: int | None = None
     nvml_version: str | None = None
+    # exported function name -> seconds every call of it hangs
+    blocks: dict[str, float] = field(default_factory=dict)
 
     def render(self) -> str:
         lines = ["# fake NVML configuration"]
@@ -271,6 +275,7 @@ class FakeNvmlConfig:
         lines.append(f"cuda_driver_version {self.cuda_driver_version}")
         if self.nvml_version is not None:
             lines.append(f"nvml_version {_format_value('nvml_version', self.nvml_version)}")
+        lines.extend(f"block {symbol} {float(secs)!r}" for symbol, secs in self.blocks.items())
         for i, gpu in enumerate(self.gpus):
             prefix = f"gpu {i}"
             # Always emit one line so that GPUs without any set field still count.
@@ -280,6 +285,8 @@ class FakeNvmlConfig:
                 lines.append(f"{prefix} error {key} {int(rc)}")
             for code, after in gpu.xids:
                 lines.append(f"{prefix} xid {int(code)} {int(after)}")
+            for key, secs in gpu.blocks.items():
+                lines.append(f"{prefix} block {key} {float(secs)!r}")
             for j, mig in enumerate(gpu.mig):
                 mprefix = f"{prefix} mig {j}"
                 mig_lines = list(_render_fields(mig, mprefix, _SPECIAL_MIG_FIELDS))

@@ -33,6 +33,8 @@
  *   gpu <i> xid <code> <after_n_waits> [<gpu_instance_id> <compute_instance_id>]
  *   gpu <i> mig <j> <key> <value...> a property of MIG device j of GPU i
  *   gpu <i> mig <j> error <field-key> <nvmlReturn>
+ *   block <symbol> <seconds>         every call of that exported function hangs
+ *   gpu <i> block <field-key> <seconds>   calls on GPU i matching <field-key> hang
  *
  * The GPU count is (highest i mentioned) + 1; GPU i has index i.
  *
@@ -96,6 +98,17 @@
  * registered for that GPU) by the first wait that has at least after_n_waits
  * earlier waits on that set.  A wait with nothing due sleeps in short steps,
  * re-checking the file, and returns NVML_ERROR_TIMEOUT after timeoutms.
+ *
+ * Hanging calls ("block", as a driver stuck in the kernel does): the call
+ * sleeps for <seconds> (decimal, fractions allowed) and then proceeds as usual.
+ * It sleeps without holding the library's lock, in short steps re-reading the
+ * file, so other threads' calls go on, and the call returns early once the
+ * statement is gone (or its seconds have passed since the call began).  A GPU
+ * block matches <field-key> the way error keys do (function name, key or group);
+ * "block" without a GPU names an exported function: nvmlInit/nvmlInit_v2,
+ * nvmlShutdown, nvmlSystemGetDriverVersion, nvmlDeviceGetCount(_v2) or any call
+ * taking a device handle.  A blocked call that finds NVML shut down when it wakes
+ * returns NVML_ERROR_UNINITIALIZED.
  *
  * A handle whose GPU index is no longer below the count (after the file
  * shrank) behaves like a lost GPU.
@@ -258,6 +271,7 @@ _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t");
 #define MAX_ERR 32
 #define MIG_ERR 8
 #define MAX_XID 32
+#define MAX_BLOCK 16
 #define KEY_LEN 48
 #define VAL_LEN 160
 #define HANDLE_MAGIC 0x4e564d4cu
@@ -271,6 +285,11 @@ struct kv {
 struct err_entry {
     char key[KEY_LEN];
     nvmlReturn_t rc;
+};
+
+struct block_entry {
+    char key[KEY_LEN];
+    double seconds;
 };
 
 struct xid_entry {
@@ -295,6 +314,8 @@ struct fake_gpu {
     struct err_entry err[MAX_ERR];
     int nxid;
     struct xid_entry xid[MAX_XID];
+    int nblock;
+    struct block_entry block[MAX_BLOCK];
     struct fake_mig mig[MAX_MIG];
 };
 
@@ -305,6 +326,8 @@ struct fake_config {
     char nvml_version[VAL_LEN];
     int cuda_driver_version;
     int gpu_count;
+    int nblock;
+    struct block_entry block[MAX_BLOCK];
     struct fake_gpu gpu[MAX_GPUS];
 };
 
@@ -461,6 +484,22 @@ static void err_set(struct err_entry *arr, int *n, int cap, const char *key, nvm
     (*n)++;
 }
 
+static void block_set(struct block_entry *arr, int *n, const char *key, const char *secs) {
+    char *end;
+    double v = strtod(secs, &end);
+    if (end == secs || *trim(end) || !(v >= 0.0) || v > 1e6) return;
+    for (int i = 0; i < *n; i++) {
+        if (strcmp(arr[i].key, key) == 0) {
+            arr[i].seconds = v;
+            return;
+        }
+    }
+    if (*n >= MAX_BLOCK) return;
+    copy_bounded(arr[*n].key, KEY_LEN, key);
+    arr[*n].seconds = v;
+    (*n)++;
+}
+
 static void parse_gpu_line(char *rest) {
     unsigned long long idx;
     char *tok = next_token(&rest);
@@ -475,6 +514,9 @@ static void parse_gpu_line(char *rest) {
         long long rc;
         if (!field || !parse_i64(trim(rest), &rc)) return;
         err_set(g->err, &g->nerr, MAX_ERR, field, (nvmlReturn_t)rc);
+    } else if (strcmp(key, "block") == 0) {
+        char *field = next_token(&rest);
+        if (field) block_set(g->block, &g->nblock, field, trim(rest));
     } else if (strcmp(key, "xid") == 0) {
         unsigned long long code, after, gi = INVALID_INSTANCE_ID, ci = INVALID_INSTANCE_ID;
         if (!parse_u64(next_token(&rest), &code)) return;
@@ -522,6 +564,9 @@ static void parse_line(char *line) {
             g_cfg.has_init_error = 1;
             g_cfg.init_error = (nvmlReturn_t)rc;
         }
+    } else if (strcmp(kw, "block") == 0) {
+        char *sym = next_token(&s);
+        if (sym) block_set(g_cfg.block, &g_cfg.nblock, sym, trim(s));
     } else if (strcmp(kw, "driver_version") == 0) {
         copy_bounded(g_cfg.driver_version, VAL_LEN, trim(s));
     } else if (strcmp(kw, "nvml_version") == 0) {
@@ -674,6 +719,41 @@ static int gpu_lost(const struct fake_gpu *g) {
     return v && parse_u64(v, &x) && x != 0;
 }
 
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000LL + ts.tv_nsec / 1000000LL;
+}
+
+/* The seconds a call of fn on GPU gi (-1: none) must hang, or a negative number.
+ * Caller holds g_lock. */
+static double block_seconds(int gi, const char *fn, const char *const *keys) {
+    for (int i = 0; i < g_cfg.nblock; i++)
+        if (fn && strcmp(g_cfg.block[i].key, fn) == 0) return g_cfg.block[i].seconds;
+    if (gi < 0 || gi >= g_cfg.gpu_count) return -1.0;
+    const struct fake_gpu *g = &g_cfg.gpu[gi];
+    for (int i = 0; i < g->nblock; i++)
+        if (key_listed(g->block[i].key, fn, keys)) return g->block[i].seconds;
+    return -1.0;
+}
+
+/* Hang while a block statement matches, without the lock, re-reading the file every
+ * step.  Caller holds g_lock and still does on return; 0 when NVML was shut down
+ * meanwhile. */
+static int hold_if_blocked(int gi, const char *fn, const char *const *keys) {
+    long long start = now_ms();
+    for (;;) {
+        double secs = block_seconds(gi, fn, keys);
+        if (secs < 0.0 || now_ms() - start >= (long long)(secs * 1000.0)) break;
+        pthread_mutex_unlock(&g_lock);
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&g_lock);
+        maybe_reload(0);
+    }
+    return g_refcount > 0;
+}
+
 #define ALLOW_GPU 1
 #define ALLOW_MIG 2
 
@@ -682,6 +762,7 @@ static nvmlReturn_t resolve(nvmlDevice_t h, int allow, const char *fn, const cha
                             struct fake_gpu **gp, struct fake_mig **mp, int *gindex) {
     int gi, mi;
     if (!h || !decode_handle(h, &gi, &mi)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!hold_if_blocked(gi, fn, keys)) return NVML_ERROR_UNINITIALIZED;
     if (gi >= g_cfg.gpu_count) return NVML_ERROR_GPU_IS_LOST;
     struct fake_gpu *g = &g_cfg.gpu[gi];
     if (gpu_lost(g)) return NVML_ERROR_GPU_IS_LOST;
@@ -792,9 +873,10 @@ static nvmlReturn_t get_string(nvmlDevice_t h, const char *fn, const char *key, 
 /* ------------------------------------------------------------------------ */
 /* Initialisation and system queries                                        */
 
-static nvmlReturn_t do_init(void) {
+static nvmlReturn_t do_init(const char *fn) {
     pthread_mutex_lock(&g_lock);
     maybe_reload(1);
+    hold_if_blocked(-1, fn, NULL);
     if (g_cfg.has_init_error && g_cfg.init_error != NVML_SUCCESS)
         return api_leave(g_cfg.init_error);
     g_refcount++;
@@ -802,23 +884,24 @@ static nvmlReturn_t do_init(void) {
 }
 
 #ifndef OMIT_nvmlInit
-EXPORT nvmlReturn_t nvmlInit(void) { return do_init(); }
+EXPORT nvmlReturn_t nvmlInit(void) { return do_init(__func__); }
 #endif
 
 #ifndef OMIT_nvmlInit_v2
-EXPORT nvmlReturn_t nvmlInit_v2(void) { return do_init(); }
+EXPORT nvmlReturn_t nvmlInit_v2(void) { return do_init(__func__); }
 #endif
 
 #ifndef OMIT_nvmlInitWithFlags
 EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
-    return do_init();
+    return do_init(__func__);
 }
 #endif
 
 #ifndef OMIT_nvmlShutdown
 EXPORT nvmlReturn_t nvmlShutdown(void) {
     API_ENTER();
+    if (!hold_if_blocked(-1, __func__, NULL)) RET(NVML_ERROR_UNINITIALIZED);
     g_refcount--;
     RET(NVML_SUCCESS);
 }
@@ -859,6 +942,7 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
 #ifndef OMIT_nvmlSystemGetDriverVersion
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     API_ENTER();
+    if (!hold_if_blocked(-1, __func__, NULL)) RET(NVML_ERROR_UNINITIALIZED);
     RET(copy_out_str(version, length, g_cfg.driver_version));
 }
 #endif
@@ -892,8 +976,9 @@ EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
 /* ------------------------------------------------------------------------ */
 /* Enumeration                                                              */
 
-static nvmlReturn_t device_count(unsigned int *count) {
+static nvmlReturn_t device_count(const char *fn, unsigned int *count) {
     API_ENTER();
+    if (!hold_if_blocked(-1, fn, NULL)) RET(NVML_ERROR_UNINITIALIZED);
     if (!count) RET(NVML_ERROR_INVALID_ARGUMENT);
     *count = (unsigned int)g_cfg.gpu_count;
     RET(NVML_SUCCESS);
@@ -901,19 +986,22 @@ static nvmlReturn_t device_count(unsigned int *count) {
 
 #ifndef OMIT_nvmlDeviceGetCount
 EXPORT nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount) {
-    return device_count(deviceCount);
+    return device_count(__func__, deviceCount);
 }
 #endif
 
 #ifndef OMIT_nvmlDeviceGetCount_v2
 EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
-    return device_count(deviceCount);
+    return device_count(__func__, deviceCount);
 }
 #endif
 
 static nvmlReturn_t handle_by_index(const char *fn, unsigned int index, nvmlDevice_t *device) {
     API_ENTER();
     if (!device || index >= (unsigned int)g_cfg.gpu_count) RET(NVML_ERROR_INVALID_ARGUMENT);
+    if (!hold_if_blocked((int)index, fn, KEYS("handle", "nvmlDeviceGetHandleByIndex")))
+        RET(NVML_ERROR_UNINITIALIZED);
+    if (index >= (unsigned int)g_cfg.gpu_count) RET(NVML_ERROR_INVALID_ARGUMENT);
     struct fake_gpu *g = &g_cfg.gpu[index];
     nvmlReturn_t rc = find_error(g->err, g->nerr, fn, KEYS("handle", "nvmlDeviceGetHandleByIndex"));
     if (rc != NVML_SUCCESS) RET(rc);
@@ -1687,12 +1775,6 @@ static int take_due_event(struct fake_event_set *set, unsigned long long earlier
         }
     }
     return 0;
-}
-
-static long long now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000LL + ts.tv_nsec / 1000000LL;
 }
 
 static nvmlReturn_t event_wait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms,

@@ -573,6 +573,75 @@ def test_blocked_wait_does_not_block_readers_and_sees_new_xid(fake_nvml: FakeNvm
     assert data.eventData == 94
 
 
+class CallInThread:
+    """One NVML call on a thread of its own; `result` is its value or its NVMLError."""
+
+    def __init__(self, call: Any, *args: Any) -> None:
+        self.result: object = None
+        self.thread = threading.Thread(target=self._run, args=(call, *args), daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Any, *args: Any) -> None:
+        try:
+            self.result = call(*args)
+        except pynvml.NVMLError as exc:
+            self.result = exc
+
+
+def test_block_hangs_one_call_until_the_statement_goes(fake_nvml: FakeNvml) -> None:
+    config = h100x8()
+    config.gpus[2].blocks["power"] = 3600
+    fake_nvml.apply(config)
+    with Initialised():
+        hung = CallInThread(pynvml.nvmlDeviceGetPowerUsage, pynvml.nvmlDeviceGetHandleByIndex(2))
+        # everything else goes on meanwhile: the hung call does not hold the library
+        for i in range(8):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            assert pynvml.nvmlDeviceGetTemperature(handle, 0) == config.gpus[i].temperature
+            if i != 2:
+                assert pynvml.nvmlDeviceGetPowerUsage(handle) == config.gpus[i].power_mw
+        assert hung.thread.is_alive()
+        config.gpus[2].blocks.clear()
+        fake_nvml.apply(config)
+        hung.thread.join(timeout=10)
+        assert not hung.thread.is_alive()
+        assert hung.result == config.gpus[2].power_mw
+
+
+def test_block_by_symbol_and_by_seconds(fake_nvml: FakeNvml) -> None:
+    config = h100x8()
+    fake_nvml.apply(config)
+    with Initialised():
+        config.blocks["nvmlSystemGetDriverVersion"] = 3600
+        config.gpus[0].blocks["nvmlDeviceGetUUID"] = 0.05  # a short hang, then the value
+        fake_nvml.apply(config)
+        hung = CallInThread(pynvml.nvmlSystemGetDriverVersion)
+        assert pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)) == config.gpus[0].uuid
+        assert pynvml.nvmlDeviceGetCount() == 8
+        assert hung.thread.is_alive()
+        # a shutdown while the call hangs: it wakes to an uninitialised library
+        pynvml.nvmlShutdown()
+        config.blocks.clear()
+        fake_nvml.apply(config)
+        hung.thread.join(timeout=10)
+        assert isinstance(hung.result, pynvml.NVMLError_Uninitialized)
+        pynvml.nvmlInit()
+
+
+def test_malformed_block_lines_are_ignored(fake_nvml: FakeNvml) -> None:
+    fake_nvml.write_text(
+        "gpu 0 power_mw 100\n"
+        "gpu 0 block power\n"
+        "gpu 0 block power -1\n"
+        "gpu 0 block power nan\n"
+        "gpu 0 block power 5s\n"
+        "block nvmlDeviceGetCount\n"
+    )
+    with Initialised():
+        assert pynvml.nvmlDeviceGetCount() == 1
+        assert pynvml.nvmlDeviceGetPowerUsage(pynvml.nvmlDeviceGetHandleByIndex(0)) == 100
+
+
 def test_concurrent_readers_and_rewrites(fake_nvml: FakeNvml) -> None:
     config = h100x8()
     fake_nvml.apply(config)

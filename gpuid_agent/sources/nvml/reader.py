@@ -1,4 +1,4 @@
-"""Reading GPUs through NVML: tolerant per field, off the event loop, retried when absent.
+"""Reading GPUs through NVML: tolerant per field (see `calls`), on the NVML thread.
 
 A field NVML does not support (or a driver too old to have the call) is simply absent. A GPU
 that is lost keeps its last known identity so a transient fault does not look like a GPU
@@ -7,10 +7,8 @@ being pulled from the node.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -19,22 +17,14 @@ import pynvml
 
 from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import GpuLostError, NvmlUnavailableError
+from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi
+from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals
 
 T = TypeVar("T")
 _log = log.get("nvml")
 
-# Codes meaning "this field is not available here", not "something is wrong".
-_ABSENT = (
-    pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-    pynvml.NVML_ERROR_NOT_FOUND,
-    pynvml.NVML_ERROR_NO_PERMISSION,
-    pynvml.NVML_ERROR_NO_DATA,
-)
-LOST_CODES = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED)
 # sample keys in the order of EccCounts and RemappedRows
 _ECC_KEYS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "ecc_sbe_aggregate", "ecc_dbe_aggregate")
 _REMAP_KEYS = (
@@ -67,30 +57,10 @@ class NvmlReader:
 
     def __init__(self, api: NvmlApi) -> None:
         self.api = api
-        self._warned: set[tuple[int, str]] = set()
-        self.errors = 0
+        self.calls = FieldCalls(_log)
 
     def _field(self, index: int, name: str, call: Callable[..., T], *args: Any) -> T | None:
-        try:
-            return call(*args)
-        except pynvml.NVMLError as exc:
-            code = getattr(exc, "value", None)
-            if code in LOST_CODES:
-                raise GpuLostError(index, int(code or 0)) from exc
-            if code in _ABSENT:
-                return None
-            self.errors += 1
-            self._warn_once(index, name, f"NVML error reading {name}: {exc}")
-            return None
-        except (ValueError, UnicodeDecodeError, OverflowError) as exc:
-            self.errors += 1
-            self._warn_once(index, name, f"malformed {name} from NVML: {exc}")
-            return None
-
-    def _warn_once(self, index: int, name: str, message: str) -> None:
-        if (index, name) not in self._warned:
-            self._warned.add((index, name))
-            _log.warning(message, extra={"gpu": index, "field": name})
+        return self.calls.get(index, name, call, *args)
 
     def read_identity(self, index: int, handle: Handle) -> GpuIdentity:
         api = self.api
@@ -201,7 +171,7 @@ class NvmlReader:
 
     def read(self, previous: dict[int, GpuIdentity]) -> NvmlReading:
         api = self.api
-        self.errors = 0
+        self.calls.reset()
         driver = self._field(-1, "driver_version", api.driver_version)
         cuda = self._field(-1, "cuda_driver_version", api.cuda_driver_version)
         count = api.device_count()
@@ -221,63 +191,15 @@ class NvmlReader:
                         reading.samples[mig.uuid] = mig_sample
             except (GpuLostError, pynvml.NVMLError) as exc:
                 reading.lost[index] = str(exc)
-                self._warn_once(index, "lost", f"GPU {index} unreadable: {exc}")
+                self.calls.warn_once(index, "lost", f"GPU {index} unreadable: {exc}")
                 known = previous.get(index)
                 if known is not None:
                     reading.gpus.append(known)
                 continue
-            self._warned.discard((index, "lost"))
+            self.calls.recovered(index, "lost")
             reading.gpus.append(gpu)
-        reading.errors = self.errors
+        reading.errors = self.calls.errors
         return reading
-
-
-class NvmlSource:
-    """Owns the one thread that talks to NVML and the init/retry state."""
-
-    def __init__(self, api: NvmlApi) -> None:
-        self.reader = NvmlReader(api)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-        self.initialised = False
-        self.last_error: str | None = None
-        self._previous: dict[int, GpuIdentity] = {}
-
-    async def _call(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the NVML thread (for readers beside this one, such as health)."""
-        return await self._call(fn)
-
-    async def init(self) -> None:
-        """Initialise NVML; raises NvmlUnavailableError with the reason."""
-        try:
-            await self._call(self.reader.api.init)
-        except NvmlUnavailableError as exc:
-            self.last_error = str(exc)
-            raise
-        self.initialised = True
-        self.last_error = None
-
-    async def read(self) -> NvmlReading:
-        try:
-            reading = await self._call(lambda: self.reader.read(self._previous))
-        except pynvml.NVMLError as exc:
-            # Whole-library failure (driver unloaded, uninitialised): re-init next time.
-            self.initialised = False
-            self.last_error = f"NVML read failed: {exc}"
-            raise NvmlUnavailableError(self.last_error) from exc
-        self._previous = {gpu.index: gpu for gpu in reading.gpus}
-        return reading
-
-    async def close(self) -> None:
-        if self.initialised:
-            try:
-                await self._call(self.reader.api.shutdown)
-            except pynvml.NVMLError as exc:
-                _log.debug("nvmlShutdown failed", extra={"error": str(exc)})
-            self.initialised = False
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def with_health_fields(

@@ -9,6 +9,8 @@ hands each XID to `deliver` (called from this thread: it must be thread safe, e.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -19,6 +21,7 @@ from typing import Any
 import pynvml
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.signals import NvmlEvent, XidEvent
 
@@ -54,6 +57,7 @@ class XidWatcher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._on_exit: Callable[[], None] | None = None
         self._warned: set[str] = set()
         # Read from the event loop; replaced whole, never mutated in place.
         self.unsupported: Mapping[int, str] = MappingProxyType({})
@@ -84,6 +88,28 @@ class XidWatcher:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    async def stop_within(self, within: float) -> bool:
+        """`stop`, waiting on the event loop rather than on a thread of the default executor
+        (which `asyncio.run` would join at exit); True when the thread ended in time."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+
+        def on_exit() -> None:
+            loop.call_soon_threadsafe(ended.set)
+
+        self._on_exit = on_exit
+        if thread.is_alive():
+            waiter = asyncio.ensure_future(ended.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=within)
+            finally:
+                waiter.cancel()
+        return not thread.is_alive()
+
     # ---- the thread --------------------------------------------------------------------
 
     def _warn_once(self, key: str, message: str, **extra: Any) -> None:
@@ -96,12 +122,16 @@ class XidWatcher:
             self._loop()
         except Exception:  # a bug here must not end XID watching for good
             _log.exception("the XID thread failed")
+        finally:
+            if (on_exit := self._on_exit) is not None:
+                with contextlib.suppress(RuntimeError):  # the loop may be closed
+                    on_exit()
 
     def _loop(self) -> None:
         event_set: Any = None
         registered: dict[Hashable, tuple[int, str]] = {}
         retry_at: dict[int, float] = {}
-        failures = 0
+        backoff = Backoff(self._retry_after, max(self._retry_after, _MAX_PAUSE))
         try:
             while not self._stop.is_set():
                 try:
@@ -114,7 +144,7 @@ class XidWatcher:
                 except pynvml.NVMLError as exc:
                     code = _code(exc)
                     if code == pynvml.NVML_ERROR_TIMEOUT:
-                        failures = 0
+                        backoff.reset()
                         continue
                     if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND or (
                         event_set is None and code in _UNSUPPORTED
@@ -123,16 +153,14 @@ class XidWatcher:
                         self.unavailable = f"XID events not available: {exc}"
                         _log.warning(self.unavailable)
                         return
-                    failures += 1
                     self._warn_once(f"wait:{code}", f"XID event wait failed: {exc}")
                     if code != pynvml.NVML_ERROR_GPU_IS_LOST:
                         # The set may be gone with an NVML re-initialisation: start afresh.
                         self._free(event_set)
                         event_set = None
-                    pause = min(_MAX_PAUSE, self._retry_after * 2 ** min(failures - 1, 6))
-                    self._stop.wait(pause)
+                    self._stop.wait(backoff.next())
                     continue
-                failures = 0
+                backoff.reset()
                 self._handle(event, registered)
         finally:
             self._free(event_set)

@@ -5,7 +5,6 @@ records, logs) while `snapshot()` is the current verdict (/gpu/metrics, Node con
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from gpuid_agent.model import NodeInventory
@@ -13,8 +12,9 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.nvml.health import HealthReader
-from gpuid_agent.sources.nvml.reader import NvmlReading, NvmlSource
+from gpuid_agent.sources.nvml.reader import NvmlReading
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.nvml.xid import XidWatcher
 from gpuid_agent.state.health.model import NodeHealth, Transition
 from gpuid_agent.state.health.tracker import HealthTracker
@@ -50,7 +50,7 @@ class HealthMonitor:
         allocatable: int | None,
     ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
         readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
-        signals = await nvml.run(lambda: self.reader.read(readable))
+        signals = await nvml.run(lambda: self.reader.read(readable), "health read")
         self.xid.watch(readable)
         expected, source = (
             (self._expected, "EXPECTED_GPU_COUNT")
@@ -74,7 +74,9 @@ class HealthMonitor:
         return signals, transitions
 
     async def close(self, within: float) -> None:
-        if not await asyncio.to_thread(self.xid.stop, within):
+        """Stop the XID thread, waiting at most `within` seconds on the loop (the thread is a
+        daemon: a wait hung in the driver is left to the interpreter's exit)."""
+        if not await self.xid.stop_within(within):
             _log.warning("XID thread still waiting at shutdown")
 
     def record_xid(self, event: XidEvent) -> list[Transition]:
