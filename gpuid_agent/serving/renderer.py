@@ -4,9 +4,9 @@ At 1,024 pods with dcgm naming a render takes most of a second; on the loop it w
 every probe for that long. So the text format is rendered in a worker thread and installed
 when done, and a snapshot that arrives meanwhile waits in the subscription's one slot, where a
 newer one replaces it (a burst of XIDs costs one more render, not one per XID). OpenMetrics
-costs more than the text format and few scrapers ask for it: it is rendered, also in a thread,
-the first time a client negotiates it for a snapshot, and shared by every scrape of that
-snapshot.
+costs more than the text format and only some clients ask for it (Prometheus does by default;
+curl and most tools do not): it is rendered, also in a thread, the first time a client
+negotiates it for a snapshot, and shared by every scrape of that snapshot.
 """
 
 from __future__ import annotations
