@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import re
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,7 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent.delivery.exporters.base import BatchMeta
-from gpuid_agent.delivery.exporters.s3 import CSV_COLUMNS, S3Exporter, key_part, partition, to_csv
+from gpuid_agent.delivery.exporters.s3 import (
+    CSV_COLUMNS,
+    S3Exporter,
+    hive_value,
+    key_part,
+    partition,
+    to_csv,
+)
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
@@ -28,8 +36,8 @@ from tests.servers.s3 import MotoServer
 
 Factory = Callable[..., S3Exporter]
 KEY = re.compile(
-    r"^gpuid/year=\d{4}/month=\d\d/day=\d\d/hour=\d\d/cluster=[^/]+/node=[^/]+/"
-    r"\d{8}T\d{6}\.\d{3}Z-[0-9a-f]{32}(\.[a-z]+)?\.(csv|ndjson)(\.gz)?$"
+    r"^gpuid/(?P<kind>reading|allocation|health)/year=\d{4}/month=\d\d/day=\d\d/hour=\d\d/"
+    r"cluster=[^/]*/node=[^/]*/\d{8}T\d{6}\.\d{3}Z-[0-9a-f]{32}\.(?P<ext>csv|ndjson)(\.gz)?$"
 )
 
 
@@ -69,10 +77,11 @@ async def test_csv_object_with_gpuid_columns(
 ) -> None:
     batch = readings(2)
     meta = BatchMeta.new()
-    await make().export(batch, meta)
+    await make(csv_header=True).export(batch, meta)
     stored = objects(moto_server, s3_bucket)
     (key,) = stored
-    assert KEY.match(key), key
+    match = KEY.match(key)
+    assert match and match["kind"] == "reading" and match["ext"] == "csv", key
     assert "/cluster=c1/node=n1/" in key
     assert key.endswith(f"-{meta.batch_id}.csv")
     body, metadata = stored[key]
@@ -97,27 +106,42 @@ async def test_ndjson_gzip_and_no_header(
     make: Factory, moto_server: MotoServer, s3_bucket: str
 ) -> None:
     await make(fmt="ndjson", gzip_objects=True).export([*readings(1), allocation(pod="p")])
-    await make(csv_header=False, prefix="").export(readings(1))
+    await make(prefix="").export(readings(1))  # gpuid's default: no header
     stored = objects(moto_server, s3_bucket)
-    ndjson = next(k for k in stored if k.endswith(".ndjson.gz"))
-    lines = gzip.decompress(stored[ndjson][0]).splitlines()
-    assert [json.loads(x)["kind"] for x in lines] == ["reading"] * 4 + ["allocation"]
+    kinds = {}
+    for key in (k for k in stored if k.endswith(".ndjson.gz")):
+        match = KEY.match(key)
+        assert match, key
+        assert stored[key][1]["format"] == "ndjson"
+        lines = gzip.decompress(stored[key][0]).splitlines()
+        kinds[match["kind"]] = [json.loads(x)["kind"] for x in lines]
+    assert kinds == {"reading": ["reading"] * 4, "allocation": ["allocation"]}
     plain = next(k for k in stored if k.endswith(".csv"))
-    assert plain.startswith("year=")  # no prefix, no leading slash
+    assert plain.startswith("reading/year=")  # no prefix, no leading slash
     assert stored[plain][0].decode().splitlines()[0].startswith("c1,n1,m1,")
+    assert stored[plain][1]["header"] == "false"
 
 
-async def test_other_kinds_beside_csv(
+async def test_each_kind_under_its_own_prefix(
     make: Factory, moto_server: MotoServer, s3_bucket: str
 ) -> None:
-    await make().export([*readings(1), allocation(pod="p1"), allocation(pod="p2")])
+    health = {**readings(1)[0], "kind": "health", "check": "xid", "state": "degraded"}
+    batch = [*readings(1), allocation(pod="p1"), allocation(pod="p2", node="n2"), health]
+    await make().export(batch, BatchMeta.new())
     stored = objects(moto_server, s3_bucket)
-    assert sorted(k.rsplit(".", 2)[-2:][0] if k.endswith(".ndjson") else "csv" for k in stored) == [
-        "allocation",
-        "csv",
-    ]
-    side = next(k for k in stored if k.endswith(".allocation.ndjson"))
-    assert stored[side][1]["record_count"] == "2"
+    found = {}
+    for key, (_, metadata) in stored.items():
+        match = KEY.match(key)
+        assert match, key
+        assert metadata["kind"] == match["kind"]
+        found.setdefault(match["kind"], []).append((match["ext"], metadata["record_count"]))
+    # one object per kind and node; only readings are CSV
+    assert {k: sorted(v) for k, v in found.items()} == {
+        "reading": [("csv", "4")],
+        "allocation": [("ndjson", "1"), ("ndjson", "1")],
+        "health": [("ndjson", "1")],
+    }
+    assert not any(".allocation." in k for k in stored)  # the old sibling name is gone
 
 
 async def test_two_agents_same_second_never_collide(
@@ -196,6 +220,17 @@ def test_key_parts_are_single_safe_segments(value: str) -> None:
     assert "/" not in part
     assert part.strip(".")
     assert re.fullmatch(r"[A-Za-z0-9._-]+", part)
+
+
+@given(st.text(max_size=300))
+def test_hive_values_decode_to_the_value(value: str) -> None:
+    encoded = hive_value(value)
+    assert re.fullmatch(r"[A-Za-z0-9._%-]*", encoded)
+    assert "/" not in encoded and (encoded == "" or encoded.strip("."))
+    assert len(encoded) <= 250
+    raw = value.encode("utf-8", "replace")
+    if len(encoded) < 248:  # not cut: Hive and DuckDB decode it back to the record's value
+        assert urllib.parse.unquote_to_bytes(encoded) == raw
 
 
 @given(st.text(max_size=40))

@@ -197,8 +197,12 @@ class Settings(BaseSettings):
     )
     s3_endpoint_url: str = Field("", description="Endpoint of an S3-compatible store.")
     s3_path_style: bool = Field(False, description="Path-style addressing.")
-    s3_format: Literal["csv", "ndjson"] = Field("csv", description="Object format.")
-    s3_csv_header: bool = Field(True, description="Write a CSV header line.")
+    s3_format: Literal["csv", "ndjson"] = Field(
+        "csv", description="Format of reading objects; other kinds are always NDJSON."
+    )
+    s3_csv_header: bool = Field(
+        False, description="Write a header line in reading CSV objects (gpuid writes none)."
+    )
     s3_gzip: bool = Field(False, description="Gzip objects.")
 
     # durable spool
