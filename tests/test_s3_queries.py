@@ -1,0 +1,335 @@
+"""What the S3 exporter writes is read as is by DuckDB: the documented tables and questions
+(docs/exporters/s3.md) run over the objects the real pipeline put into moto's S3 server."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Sequence
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.s3 import CSV_COLUMNS, S3Exporter
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.readings import reading_records
+from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.state.attribution import Allocation, Attribution, Holder
+from tests.servers.s3 import MotoServer
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "exporters" / "s3.md"
+BLOCK = re.compile(r"<!-- (duckdb|athena|query): ([a-z-]+) -->\n```sql\n(.*?)```", re.S)
+DOC_ROOT = "s3://my-bucket/gpuid"
+DAY1 = datetime(2025, 3, 1, tzinfo=UTC)
+
+
+def doc_sql() -> dict[tuple[str, str], str]:
+    return {(engine, name): sql for engine, name, sql in BLOCK.findall(DOC.read_text())}
+
+
+# ---- the fleet the test feeds in ---------------------------------------------------------
+
+
+def node_inventory(
+    cluster: str, node: str, machine: str, serials: Sequence[str], when: datetime
+) -> NodeInventory:
+    gpus = tuple(
+        GpuIdentity(index=i, uuid=f"GPU-{machine}-{i}", serial=s, name="NVIDIA GB200")
+        for i, s in enumerate(serials)
+    )
+    return NodeInventory(node, cluster, machine, "dmi", "570.1", "12.8", gpus, when)
+
+
+def fleet_readings() -> list[Record]:
+    """Three days. SN-A (two dies) moves from m1 to m2 inside "prod east"; SN-B moves from
+    "prod east" to "lab" (and so to another machine too); SN-C stays in "lab"."""
+    days = [DAY1 + timedelta(days=d, hours=h) for d, h in ((0, 9), (1, 9), (2, 23))]
+    nodes: list[tuple[str, str, str, list[str], int]] = [
+        ("prod east", "gpu-1", "m1", ["SN-A", "SN-A", "SN-B", "SN-B"], 0),
+        ("prod east", "gpu-1", "m1", ["SN-B", "SN-B"], 1),
+        ("prod east", "gpu-2", "m2", ["SN-A", "SN-A"], 1),
+        ("prod east", "gpu-2", "m2", ["SN-A", "SN-A"], 2),
+        ("lab", "lab-1", "m3", ["SN-B", "SN-B"], 2),
+        ("lab", "lab-2", "m4", ["SN-C"], 0),
+        ("lab", "lab-2", "m4", ["SN-C"], 1),
+        ("lab", "lab-2", "m4", ["SN-C"], 2),
+    ]
+    out: list[Record] = []
+    for cluster, node, machine, serials, day in nodes:
+        inv = node_inventory(cluster, node, machine, serials, days[day])
+        out += reading_records(inv, source="gpuid-agent/test", reason="heartbeat")
+    return out
+
+
+def fleet_allocations() -> list[Record]:
+    """The agent's own trail on node gpu-1, with a clock the test sets."""
+    inv = node_inventory("prod east", "gpu-1", "m1", ["SN-A", "SN-A", "SN-B", "SN-B"], DAY1)
+    train = Allocation(
+        Holder("ml", "train", "main", "u1"), "nvidia.com/gpu", "GPU-m1-0", "GPU-m1-0"
+    )
+    evals = Allocation(Holder("ml", "eval", "main", "u2"), "nvidia.com/gpu", "GPU-m1-1", "GPU-m1-1")
+    serve = Allocation(
+        Holder("inf", "serve", "srv", "u3"), "nvidia.com/gpu", "GPU-m1-2::0", "GPU-m1-2", None, 0
+    )
+    still = Allocation(Holder("inf", "cache", "c", "u4"), "nvidia.com/gpu", "GPU-m1-3", "GPU-m1-3")
+    steps: list[tuple[datetime, tuple[Allocation, ...]]] = [
+        (DAY1 + timedelta(hours=10), (evals,)),
+        (DAY1 + timedelta(hours=11, minutes=30), ()),  # eval: 1.5 h on day 1
+        (DAY1 + timedelta(hours=22), (train,)),
+        (DAY1 + timedelta(days=1), (train, serve)),
+        (DAY1 + timedelta(days=1, hours=2), (serve, still)),  # train: 2 h + 2 h
+        (DAY1 + timedelta(days=1, hours=6), (still,)),  # serve: 6 h on day 2; cache stays open
+    ]
+    now = [DAY1]
+    trail = AllocationTrail(
+        TrailIdentity("prod east", "gpu-1", "gpuid-agent/test"),
+        publish_durable=_unused,
+        clock=lambda: now[0],
+    )
+    out: list[Record] = []
+    for when, held in steps:
+        now[0] = when
+        out += trail.diff(Attribution("current", held), inv)
+    return out
+
+
+async def _unused(records: list[Record]) -> None:
+    raise AssertionError("the trail's records go through the exporter's worker here")
+
+
+# ---- delivery and download --------------------------------------------------------------
+
+
+async def deliver(exporter: S3Exporter, records: list[Record], spool_dir: Path) -> None:
+    """Through the exporter's real worker and disk spool, in gpuid's default batch size."""
+    policy = BatchPolicy(batch_size=10, flush_interval=0.05, backoff_base=0.05, backoff_max=0.2)
+    spool = DiskSpool(spool_dir, 1 << 24)
+    worker = ExporterWorker(exporter, policy, AgentMetrics(), store=spool)
+    task = asyncio.create_task(worker.run())
+    for record in records:
+        await worker.put(record)
+    worker.close_intake()
+    await asyncio.wait_for(task, 60)
+    assert spool.batches == 0
+
+
+def download(moto: MotoServer, bucket: str, into: Path) -> list[str]:
+    client: Any = moto.client()
+    keys: list[str] = []
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for item in page.get("Contents", []):
+                key = item["Key"]
+                target = into / key
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+                keys.append(key)
+    finally:
+        client.close()
+    return keys
+
+
+def connect(root: Path) -> duckdb.DuckDBPyConnection:
+    """The documented DuckDB tables, over the local copy instead of s3://; readings from
+    NDJSON objects when the bucket holds those (`S3_FORMAT=ndjson`)."""
+    sql = doc_sql()
+    readings, allocations = sql[("duckdb", "tables")].split(";")[:2]
+    if not any((root / "gpuid" / "reading").rglob("*.csv*")):
+        readings = sql[("duckdb", "readings-ndjson")]
+    db = duckdb.connect()
+    db.execute("SET TimeZone = 'America/Los_Angeles'")  # answers must not depend on it
+    for statement in (readings, allocations):
+        db.execute(statement.replace(DOC_ROOT, str(root / "gpuid")))
+    return db
+
+
+def ask(db: duckdb.DuckDBPyConnection, name: str) -> list[tuple[Any, ...]]:
+    return db.execute(doc_sql()[("query", name)]).fetchall()
+
+
+@pytest.fixture(params=["csv", "ndjson"])
+def written(
+    request: pytest.FixtureRequest, moto_server: MotoServer, s3_bucket: str, tmp_path: Path
+) -> Path:
+    """The fleet's records written by the S3 exporter (readings in each S3_FORMAT), then
+    copied out of the bucket."""
+
+    async def write() -> None:
+        exporter = S3Exporter(
+            s3_bucket,
+            endpoint_url=moto_server.url,
+            region="us-east-1",
+            path_style=True,
+            timeout=5.0,
+            fmt=request.param,
+        )
+        try:
+            await deliver(exporter, fleet_readings() + fleet_allocations(), tmp_path / "spool")
+        finally:
+            await exporter.close()
+
+    asyncio.run(write())
+    keys = download(moto_server, s3_bucket, tmp_path / "bucket")
+    assert {k.split("/")[1] for k in keys} == {"reading", "allocation"}
+    ext = {"csv": ".csv", "ndjson": ".ndjson"}[request.param]
+    assert all(k.endswith(ext) for k in keys if k.startswith("gpuid/reading/"))
+    return tmp_path / "bucket"
+
+
+# ---- the questions ------------------------------------------------------------------------
+
+
+def test_gpus_seen_on_several_machines(written: Path) -> None:
+    rows = ask(connect(written), "gpus-on-several-machines")
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("SN-A", 2, ["m1", "m2"]),
+        ("SN-B", 2, ["m1", "m3"]),
+    ]
+    first_seen, last_seen = rows[1][3], rows[1][4]
+    assert (first_seen, last_seen) == (datetime(2025, 3, 1, 9), datetime(2025, 3, 3, 23))
+
+
+def test_gpus_that_moved_clusters(written: Path) -> None:
+    rows = ask(connect(written), "gpus-that-moved-clusters")
+    assert [r[:4] for r in rows] == [("SN-B", 2, "prod east", "lab")]
+
+
+def test_gpus_per_day(written: Path) -> None:
+    rows = ask(connect(written), "gpus-per-day")
+    d1, d2, d3 = (date(2025, 3, d) for d in (1, 2, 3))
+    # (day, cluster, serials, GPUs by UUID); day 3's readings are at 23:00 UTC, which is
+    # still day 3 whatever the session's time zone
+    assert rows == [
+        (d1, "lab", 1, 1),
+        (d1, "prod east", 2, 4),
+        (d2, "lab", 1, 1),
+        (d2, "prod east", 2, 4),
+        (d3, "lab", 2, 3),
+        (d3, "prod east", 1, 2),
+    ]
+
+
+def test_gpu_hours_per_namespace_per_day(written: Path) -> None:
+    rows = ask(connect(written), "gpu-hours-per-namespace-per-day")
+    assert rows == [
+        (date(2025, 3, 1), "ml", 3.5),  # eval 1.5 h + train 22:00-24:00
+        (date(2025, 3, 2), "inf", 6.0),  # serve; cache is still open and not counted
+        (date(2025, 3, 2), "ml", 2.0),  # train 00:00-02:00
+    ]
+
+
+def test_partitions_prune_and_cluster_names_decode(written: Path) -> None:
+    db = connect(written)
+    now = datetime.now(UTC)  # batches are partitioned by the hour they were formed
+    clusters = db.execute(
+        "SELECT DISTINCT cluster FROM readings WHERE year = ? AND month = ? ORDER BY 1",
+        [now.year, now.month],
+    ).fetchall()
+    assert clusters == [("lab",), ("prod east",)]  # `prod%20east` in the key
+    assert db.execute("SELECT count(*) FROM readings WHERE year = 1999").fetchone() == (0,)
+    total = db.execute("SELECT count(*), count(DISTINCT record_id) FROM readings").fetchone()
+    assert total == (len(fleet_readings()), len(fleet_readings()))
+
+
+def test_csv_with_header_and_gzip_read_by_the_same_view(
+    moto_server: MotoServer, s3_bucket: str, tmp_path: Path
+) -> None:
+    async def write() -> None:
+        exporter = S3Exporter(
+            s3_bucket,
+            endpoint_url=moto_server.url,
+            region="us-east-1",
+            path_style=True,
+            csv_header=True,
+            gzip_objects=True,
+        )
+        try:
+            await exporter.export(fleet_readings()[:4], BatchMeta.new())
+        finally:
+            await exporter.close()
+
+    asyncio.run(write())
+    keys = download(moto_server, s3_bucket, tmp_path / "bucket")
+    assert all(k.endswith(".csv.gz") for k in keys)
+    tables = doc_sql()[("duckdb", "tables")].split(";")[0]
+    tables = tables.replace("header = false", "header = true").replace(
+        DOC_ROOT, str(tmp_path / "bucket" / "gpuid")
+    )
+    db = duckdb.connect()
+    db.execute(tables)
+    got = db.execute("SELECT gpu, uuid, read_time FROM readings ORDER BY uuid").fetchall()
+    assert got == [
+        ("SN-A", "GPU-m1-0", datetime(2025, 3, 1, 9)),
+        ("SN-A", "GPU-m1-1", datetime(2025, 3, 1, 9)),
+        ("SN-B", "GPU-m1-2", datetime(2025, 3, 1, 9)),
+        ("SN-B", "GPU-m1-3", datetime(2025, 3, 1, 9)),
+    ]
+
+
+# ---- the docs say what the code writes ------------------------------------------------------
+
+
+def _declared_columns(sql: str) -> list[str]:
+    inner = sql.split("columns = {", 1)[1].split("}", 1)[0]
+    return re.findall(r"'([a-z_]+)': '[A-Z]+'", inner)
+
+
+def test_documented_table_columns_are_the_csv_columns() -> None:
+    sql = doc_sql()
+    assert _declared_columns(sql[("duckdb", "tables")]) == list(CSV_COLUMNS)
+    athena = sql[("athena", "tables")].split("PARTITIONED BY", 1)[0]
+    assert re.findall(r"`([a-z_]+)` string", athena) == list(CSV_COLUMNS)
+
+
+def test_every_documented_query_runs() -> None:
+    assert ("duckdb", "readings-ndjson") in doc_sql()
+    names = {name for engine, name in doc_sql() if engine == "query"}
+    assert names == {
+        "gpus-on-several-machines",
+        "gpus-that-moved-clusters",
+        "gpus-per-day",
+        "gpu-hours-per-namespace-per-day",
+    }
+
+
+# ---- duckdb stays a test dependency ---------------------------------------------------------
+
+
+def test_duckdb_is_only_a_test_dependency() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.lower().startswith("duckdb") for d in project["dependencies"])
+    assert any(d.lower().startswith("duckdb") for d in project["optional-dependencies"]["test"])
+    for path in (ROOT / "gpuid_agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not any(n.split(".")[0] == "duckdb" for n in names), path
+    # and importing every module of the package, the S3 exporter's included, loads none
+    script = (
+        "import importlib, pkgutil, sys, gpuid_agent\n"
+        "for m in pkgutil.walk_packages(gpuid_agent.__path__, 'gpuid_agent.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "print('duckdb' in sys.modules, 'gpuid_agent.delivery.exporters.s3.layout' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.split() == ["False", "True"]
