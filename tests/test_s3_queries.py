@@ -8,6 +8,7 @@ import asyncio
 import re
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
@@ -16,9 +17,11 @@ from typing import Any
 
 import duckdb
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Record
-from gpuid_agent.delivery.exporters.s3 import CSV_COLUMNS, S3Exporter
+from gpuid_agent.delivery.exporters.s3 import CSV_COLUMNS, S3Exporter, hive_value
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.model import GpuIdentity, NodeInventory
@@ -284,6 +287,27 @@ def test_csv_with_header_and_gzip_read_by_the_same_view(
         ("SN-B", "GPU-m1-2", datetime(2025, 3, 1, 9)),
         ("SN-B", "GPU-m1-3", datetime(2025, 3, 1, 9)),
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(exclude_categories=("Cs",)), max_size=20))
+@example("prod east")
+@example("__HIVE_DEFAULT_PARTITION__")
+@example("..")
+@example("")
+@example("007")
+def test_duckdb_reads_escaped_partition_values_back(value: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / f"cluster={hive_value(value)}"
+        folder.mkdir()
+        (folder / "a.csv").write_text("x\n")
+        db = duckdb.connect()
+        (got,) = db.execute(
+            "SELECT cluster FROM read_csv(?, header = false, hive_partitioning = true, "
+            "hive_types = {'cluster': 'VARCHAR'}, columns = {'v': 'VARCHAR'})",
+            [f"{tmp}/**/*.csv"],
+        ).fetchone() or (None,)
+    assert got == value
 
 
 # ---- the docs say what the code writes ------------------------------------------------------

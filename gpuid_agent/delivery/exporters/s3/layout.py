@@ -30,6 +30,7 @@ _UNSAFE_SEGMENT = re.compile(r"[^A-Za-z0-9._=-]")  # prefix and partition keep H
 # to the record's own value, which the record still carries in full).
 _MAX_VALUE = 250
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_HIVE_NULL = b"__HIVE_DEFAULT_PARTITION__"  # Hive's name for NULL; engines read it so
 
 
 def key_part(value: object, unsafe: re.Pattern[str] = _UNSAFE) -> str:
@@ -42,10 +43,13 @@ def key_part(value: object, unsafe: re.Pattern[str] = _UNSAFE) -> str:
 
 def hive_value(value: object) -> str:
     """A Hive partition value: bytes outside `A-Z a-z 0-9 . _ -` as `%XX` (UTF-8), a value
-    of dots only fully escaped (`.` and `..` are not keys' segments), empty kept empty."""
+    of dots only fully escaped (`.` and `..` are not keys' segments), and so is the first
+    byte of Hive's NULL marker; empty stays empty."""
     raw = str(value).encode("utf-8", "replace")
     if raw and not raw.strip(b"."):
         return "".join("%2E" for _ in raw)[: _MAX_VALUE - _MAX_VALUE % 3]
+    if raw == _HIVE_NULL:
+        return "%5F" + raw[1:].decode()
     out: list[str] = []
     size = 0
     for byte in raw:
