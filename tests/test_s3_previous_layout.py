@@ -1,10 +1,14 @@
-"""Objects of the previous layout (readings' CSV with a header straight under the prefix,
-other kinds beside it as `<id>.<kind>.ndjson`) and the current one, read together by the
-documented DuckDB statements: the questions answer as over one layout."""
+"""Objects written before, read beside the current layout by the documented DuckDB
+statements: the previous layout (readings' CSV with a header straight under the prefix,
+other kinds beside it as `<id>.<kind>.ndjson`) and gpuid's own (headerless seven-column
+CSV under the prefix). The questions answer as over one layout."""
 
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
+from datetime import datetime
 from pathlib import Path
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Record
@@ -12,6 +16,7 @@ from gpuid_agent.delivery.exporters.s3 import S3Exporter, key_part, partition, t
 from gpuid_agent.delivery.exporters.s3.layout import stamp
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import (
+    D1,
     DAY1,
     DOC_ROOT,
     EXPECTED,
@@ -48,6 +53,53 @@ def write_previous(root: Path, readings: list[Record], allocations: list[Record]
             (folder / f"{name}.{kind}.ndjson").write_bytes(to_ndjson(records))
 
 
+def write_gpuid(root: Path, readings: list[Record]) -> None:
+    """Objects as gpuid writes them: seven columns, no header, RFC 3339 seconds, one hour
+    partition under the prefix, `<YYYYMMDD-HHMMSS.mmm>.csv`."""
+    for i, record in enumerate(readings):
+        when = datetime.fromisoformat(record["read_time"])
+        folder = root / "gpuid" / when.strftime("year=%Y/month=%m/day=%d/hour=%H")
+        folder.mkdir(parents=True, exist_ok=True)
+        out = io.StringIO()
+        row = [record[c] for c in ("cluster", "node", "machine", "source", "chassis", "gpu")]
+        csv.writer(out).writerow([*row, when.strftime("%Y-%m-%dT%H:%M:%SZ")])
+        (folder / f"{when:%Y%m%d-%H%M%S}.{i:03d}.csv").write_text(out.getvalue())
+
+
+def write_current(moto: MotoServer, bucket: str, records: list[Record], tmp_path: Path) -> Path:
+    async def write() -> None:
+        exporter = S3Exporter(bucket, endpoint_url=moto.url, region="us-east-1", path_style=True)
+        try:
+            await deliver(exporter, records, tmp_path / "spool")
+        finally:
+            await exporter.close()
+
+    asyncio.run(write())
+    root = tmp_path / "bucket"
+    download(moto, bucket, root)
+    return root
+
+
+def test_gpuid_objects_and_ours_answer_together(
+    moto_server: MotoServer, s3_bucket: str, tmp_path: Path
+) -> None:
+    readings = fleet_readings()
+    gpuid = [r for r in readings if r["read_time"].startswith("2025-03-01")]
+    ours = [r for r in readings if r not in gpuid] + fleet_allocations()
+    root = write_current(moto_server, s3_bucket, ours, tmp_path)
+    write_gpuid(root, gpuid)
+    db = connect(root)
+    db.execute(doc_sql()[("duckdb", "gpuid-objects")].replace(DOC_ROOT, str(root / "gpuid")))
+    for name, expected in EXPECTED.items():
+        if name == "gpus-per-day":  # gpuid's rows have no UUID: its GB200 dies count as one
+            expected = [
+                (D1, "prod east", 2, 2) if r[:2] == (D1, "prod east") else r for r in expected
+            ]
+        assert ask(db, name) == expected, name
+    sources = db.execute("SELECT DISTINCT uuid IS NULL, record_id IS NULL FROM readings")
+    assert sorted(sources.fetchall()) == [(False, False), (True, True)]
+
+
 def test_previous_and_current_layout_answer_together(
     moto_server: MotoServer, s3_bucket: str, tmp_path: Path
 ) -> None:
@@ -57,19 +109,7 @@ def test_previous_and_current_layout_answer_together(
     old_allocations = allocations[:2]
     assert {r["pod"] for r in old_allocations} == {"eval"}
     new = [r for r in readings if r not in old_readings] + allocations[2:]
-
-    async def write() -> None:
-        exporter = S3Exporter(
-            s3_bucket, endpoint_url=moto_server.url, region="us-east-1", path_style=True
-        )
-        try:
-            await deliver(exporter, new, tmp_path / "spool")
-        finally:
-            await exporter.close()
-
-    asyncio.run(write())
-    root = tmp_path / "bucket"
-    download(moto_server, s3_bucket, root)
+    root = write_current(moto_server, s3_bucket, new, tmp_path)
     write_previous(root, old_readings, old_allocations)
     db = connect(root)
     # the current layout alone misses the first day
