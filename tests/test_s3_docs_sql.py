@@ -46,7 +46,7 @@ def test_every_documented_query_is_checked() -> None:
     # each DuckDB block is run by a test: the tables and NDJSON readings in
     # test_s3_queries, the older objects in test_s3_previous_layout
     duck = {name for engine, name in doc_sql() if engine == "duckdb"}
-    assert duck == {"tables", "readings-ndjson", "previous-layout", "gpuid-objects"}
+    assert duck == {"tables", "readings-ndjson", "health", "previous-layout", "gpuid-objects"}
     names = {name for engine, name in doc_sql() if engine == "query"}
     assert names == set(EXPECTED)
 

@@ -22,9 +22,11 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
+from gpuid_agent.state.health.model import CheckStatus, Transition
 from tests.servers.s3 import MotoServer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "exporters" / "s3.md"
@@ -101,6 +103,25 @@ def fleet_allocations() -> list[Record]:
         now[0] = when
         out += trail.diff(Attribution("current", held), inv)
     return out
+
+
+def fleet_health() -> list[Record]:
+    """Transitions on gpu-1: XID on GPU 0 and back, ECC on GPU 2 the next day, and a
+    node-level check (no GPU)."""
+    inv = node_inventory("prod east", "gpu-1", "m1", ["SN-A", "SN-A", "SN-B", "SN-B"], DAY1)
+
+    def status(state: Any, hours: float, reason: str | None = None) -> CheckStatus:
+        action: Any = "none" if state == "healthy" else "check_workload"
+        return CheckStatus(state, reason, action, DAY1 + timedelta(hours=hours))
+
+    ok = status("healthy", 0)
+    transitions = [
+        Transition("xid", status("degraded", 10, "XID 13"), ok, "GPU-m1-0", 0, "degraded"),
+        Transition("xid", status("healthy", 12), status("degraded", 10), "GPU-m1-0", 0, "healthy"),
+        Transition("ecc", status("unhealthy", 27, "DBE"), ok, "GPU-m1-2", 2, "unhealthy"),
+        Transition("gpu_count", status("degraded", 28, "7 of 8"), ok),
+    ]
+    return health_records(transitions, inv, source="gpuid-agent/test")
 
 
 async def _unused(records: list[Record]) -> None:
@@ -234,6 +255,35 @@ def test_gpus_per_day(written: Path) -> None:
 def test_gpu_hours_per_namespace_per_day(written: Path) -> None:
     name = "gpu-hours-per-namespace-per-day"
     assert ask(connect(written), name) == EXPECTED[name]
+
+
+def test_health_view_reads_the_transitions(
+    moto_server: MotoServer, s3_bucket: str, tmp_path: Path
+) -> None:
+    async def write() -> None:
+        exporter = S3Exporter(
+            s3_bucket, endpoint_url=moto_server.url, region="us-east-1", path_style=True
+        )
+        try:
+            await deliver(exporter, fleet_health(), tmp_path / "spool")
+        finally:
+            await exporter.close()
+
+    asyncio.run(write())
+    root = tmp_path / "bucket"
+    assert {k.split("/")[1] for k in download(moto_server, s3_bucket, root)} == {"health"}
+    db = duckdb.connect()
+    db.execute(doc_sql()[("duckdb", "health")].replace(DOC_ROOT, str(root / "gpuid")))
+    rows = db.execute(
+        'SELECT CAST(read_time AS DATE), cluster, gpu, uuid, "check", previous_state, state, '
+        "reason FROM health WHERE state <> 'healthy' ORDER BY read_time"
+    ).fetchall()
+    assert rows == [
+        (D1, "prod east", "SN-A", "GPU-m1-0", "xid", "healthy", "degraded", "XID 13"),
+        (D2, "prod east", "SN-B", "GPU-m1-2", "ecc", "healthy", "unhealthy", "DBE"),
+        (D2, "prod east", "", None, "gpu_count", "healthy", "degraded", "7 of 8"),
+    ]
+    assert db.execute("SELECT count(*) FROM health").fetchone() == (4,)
 
 
 def test_partitions_prune_and_cluster_names_decode(written: Path) -> None:
