@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.s3 import (
     CSV_COLUMNS,
+    Layout,
     S3Exporter,
     hive_value,
     key_part,
@@ -231,6 +232,44 @@ def test_hive_values_decode_to_the_value(value: str) -> None:
     raw = value.encode("utf-8", "replace")
     if len(encoded) < 248:  # not cut: Hive and DuckDB decode it back to the record's value
         assert urllib.parse.unquote_to_bytes(encoded) == raw
+
+
+_hostile = st.one_of(
+    st.text(max_size=40), st.none(), st.integers(), st.sampled_from(["", ".", ".."])
+)
+
+
+@given(
+    st.lists(
+        st.fixed_dictionaries({"kind": _hostile, "cluster": _hostile, "node": _hostile}),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from(["", "gpuid", "a//b/", "../x"]),
+    st.booleans(),
+)
+def test_every_record_lands_in_one_well_formed_key(
+    batch: list[dict[str, Any]], prefix: str, ndjson: bool
+) -> None:
+    layout = Layout(prefix=prefix, fmt="ndjson" if ndjson else "csv")
+    made = layout.objects(batch, BatchMeta.new())
+    assert sum(int(o.metadata["record_count"]) for o in made) == len(batch)
+    assert len({o.key for o in made}) == len(made)
+    for obj in made:
+        segments = obj.key.split("/")
+        assert all(seg and seg.strip(".") for seg in segments), obj.key
+        tail = segments[-7:]  # kind, year..hour, then cluster=, node=, and the name
+        kind = segments[-8]
+        assert kind == obj.metadata["kind"]
+        assert [seg.split("=")[0] for seg in tail[:6]] == [
+            "year",
+            "month",
+            "day",
+            "hour",
+            "cluster",
+            "node",
+        ]
+        assert obj.key.startswith(layout.kind_root(kind) + "/year=")
 
 
 @given(st.text(max_size=40))
