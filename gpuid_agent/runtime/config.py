@@ -228,6 +228,14 @@ class Settings(BaseSettings):
     kube_api: Literal["auto", "off"] = Field(
         "auto", description="Use the Kubernetes API (auto: when config is found)."
     )
+    process_attribution: bool = Field(
+        False,
+        description="Per-process GPU shares mapped to pods (reads NVML's process lists and "
+        "HOST_PROC); off: neither is touched.",
+    )
+    host_proc: str = Field(
+        "/proc", description="The host's /proc (mounted read-only) for PROCESS_ATTRIBUTION."
+    )
 
     # node labels and machine identity
     labels: Literal["on", "off", "dry-run"] = Field("on", description="Node labelling mode.")

@@ -13,6 +13,7 @@ import pynvml
 from gpuid_agent.model import PlatformInfo
 from gpuid_agent.runtime.fault_spec import Fault, parse_fault
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
+from gpuid_agent.sources.nvml.processes import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 
@@ -247,6 +248,21 @@ class SimulatedNvml:
 
     def persistence_mode(self, handle: Any) -> int:
         return 0 if self._fault(self._gpu(handle), "persistence-off") else 1
+
+    # ---- processes ------------------------------------------------------------------------
+
+    def compute_processes(self, handle: Any) -> list[ProcessInfo]:
+        gpu = self._gpu(handle)
+        return [ProcessInfo(p.pid, p.memory) for p in gpu.processes if not p.mps]
+
+    def mps_processes(self, handle: Any) -> list[ProcessInfo]:
+        gpu = self._gpu(handle)
+        return [ProcessInfo(p.pid, p.memory, mps=True) for p in gpu.processes if p.mps]
+
+    def process_utilization(self, handle: Any, since_us: int) -> list[ProcessSample]:
+        gpu = self._gpu(handle)
+        now = time.time_ns() // 1000
+        return [ProcessSample(p.pid, now, p.sm_util) for p in gpu.processes if now > since_us]
 
     # ---- XID events ----------------------------------------------------------------------
 

@@ -19,6 +19,16 @@ class SimMig:
 
 
 @dataclass(slots=True)
+class SimProcess:
+    """A process the simulated driver lists on a GPU (host PID), and its share of the GPU."""
+
+    pid: int
+    memory: int  # bytes
+    sm_util: int  # percent
+    mps: bool = False
+
+
+@dataclass(slots=True)
 class SimGpu:
     uuid: str
     serial: str | None
@@ -31,6 +41,7 @@ class SimGpu:
     platform: PlatformInfo | None = None
     mig: list[SimMig] = field(default_factory=list)
     lost: bool = False
+    processes: list[SimProcess] = field(default_factory=list)
 
 
 def _digits(seed: str, n: int) -> str:
