@@ -135,8 +135,11 @@ def _shares(uuid: str, uses: tuple[ProcessUse, ...], sample: GpuSample | None) -
     memory, mem_scaled = _split(
         [[u.memory_bytes for u in g] for g in groups.values()], values.get("memory_used_bytes")
     )
+    # Without per-process samples the device's utilization is not split at all.
+    sampled = not uses or any(u.sm_util is not None for u in uses)
     sm, sm_scaled = _split(
-        [[u.sm_util for u in g] for g in groups.values()], values.get("gpu_util")
+        [[u.sm_util for u in g] for g in groups.values()],
+        values.get("gpu_util") if sampled else None,
     )
     shares = [
         Share(
