@@ -42,6 +42,8 @@ class SimGpu:
     mig: list[SimMig] = field(default_factory=list)
     lost: bool = False
     processes: list[SimProcess] = field(default_factory=list)
+    # utilization and memory follow the processes (a GPU without any reads idle)
+    telemetry_from_processes: bool = False
 
 
 def _digits(seed: str, n: int) -> str:
@@ -115,4 +117,12 @@ def mig_h100(node: str) -> list[SimGpu]:
     return gpus
 
 
-PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100}
+def timesliced(node: str) -> list[SimGpu]:
+    """HGX H100 whose pods run processes (simulate/processes.py): a time-sliced GPU shared by
+    three pods, a training pod, an idle notebook, a GPU busy with a pod that holds none."""
+    return h100x8(node)
+
+
+PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100, "timesliced": timesliced}
+# profiles whose pods run processes: process attribution is on for them
+PROCESS_PROFILES = frozenset({"timesliced"})

@@ -70,6 +70,7 @@ class Collector:
         *,
         metrics: AgentMetrics,
         board: StatusBoard,
+        processes: ProcessTracker | None = None,
     ) -> None:
         self.identity = identity
         self.nvml = nvml
@@ -83,7 +84,7 @@ class Collector:
         self._backoff = Backoff(interval, max(interval, NVML_BACKOFF_MAX))
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
-        self.processes = ProcessTracker(
+        self.processes = processes or ProcessTracker(
             enabled=settings.process_attribution, host_proc=settings.host_proc
         )
         self.last: NodeSnapshot | None = None
