@@ -28,8 +28,14 @@ async def test_timesliced_profile_shows_shares_and_unattributed() -> None:
     async with running_agent(agent):
         proc = agent.environment.host_proc
         assert await_exists(proc)
-        await eventually(lambda: b'pod="llm-serve-2"' in agent.renderer.current().text)
-        await eventually(lambda: b'pod="stray-job"' in agent.renderer.current().text)
+        # processes can be attributed (through the pods' UIDs) before the kubelet's first List
+        # says who holds what: wait for both
+        await eventually(
+            lambda: all(
+                part in agent.renderer.current().text
+                for part in (b'pod="stray-job"', b'allocated="true"', b"gpuid_gpu_allocation_info{")
+            )
+        )
         async with (
             aiohttp.ClientSession() as http,
             http.get(f"http://127.0.0.1:{agent.bound_port}/gpu/metrics") as resp,
