@@ -43,7 +43,9 @@ class SimulatedNode:
                 self.pod_directory = plan_processes(
                     self._node, api.gpus, self._pods[0], self.host_proc
                 )
-                self.process_attribution = True
+                # on unless PROCESS_ATTRIBUTION was set explicitly (the benchmark's "off")
+                if "process_attribution" not in settings.model_fields_set:
+                    self.process_attribution = True
 
     def machine(self) -> tuple[str, str]:
         return f"sim-{self._node}", "simulated"
