@@ -224,3 +224,61 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
             "held_idle"
         }
         assert (await _json(agent, "/status"))["processes"]["state"] == "off"
+
+
+async def test_mig_devices_get_their_own_shares_and_states(
+    fake_nvml: FakeNvml,
+    kubelet: FakeKubelet,
+    kube: FakeKube,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(
+        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken"))
+    )
+    proc = FakeProc(tmp_path / "proc")
+    uid = api_pod(kube, "research", "worker", CID_TRAIN)
+    proc.add(10, v2(systemd_path(uid, CID_TRAIN)))
+    proc.add(20, v2("/user.slice/user-1000.slice/session-4.scope"))
+    config = fakenvml.mig_h100()
+    mig = config.gpus[0].mig
+    config.gpus[0].processes = [
+        FakeProcess(10, 12 * 1024**2, mig[0].gi_id, mig[0].ci_id),
+        FakeProcess(20, 4 * 1024**2, mig[1].gi_id, mig[1].ci_id),
+    ]
+    fake_nvml.apply(config)
+    kubelet.pods = [pod("ml", "research", "worker", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
+    s = settings(
+        kube_api="auto",
+        pod_resources_socket=kubelet.socket_path,
+        pod_resources_interval=0.05,
+        process_attribution=True,
+        host_proc=str(proc.root),
+    )
+    agent = Agent(
+        s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
+    )
+    async with running_agent(agent):
+        await eventually(lambda: b'allocated="true"' in agent.renderer.current().text)
+        text = await scrape(agent, "/gpu/metrics")
+    states = {
+        x.labels["gpu_instance_id"]: x.labels["state"]
+        for x in samples(text, "gpuid_gpu_allocation_state")
+        if x.value == 1
+    }
+    gi0, gi1 = str(mig[0].gi_id), str(mig[1].gi_id)
+    assert states == {gi0: "held_busy", gi1: "unowned_busy"}  # the parent GPU is not a device
+    (held,) = samples(text, "gpuid_gpu_holder_memory_used_bytes")
+    assert (held.labels["gpu_instance_id"], held.labels["pod"], held.value) == (
+        gi0,
+        "research",
+        12 * 1024**2,
+    )
+    rest = {
+        (x.labels["gpu_instance_id"], x.labels["reason"]): x.value
+        for x in samples(text, "gpuid_gpu_unattributed_memory_used_bytes")
+    }
+    assert rest[(gi1, "host_process")] == 4 * 1024**2
+    # each MIG device's parts add up to its own memory used (13 MiB and 6 MiB in the fake)
+    assert rest[(gi0, "unaccounted")] == 1024**2 and rest[(gi1, "unaccounted")] == 2 * 1024**2
+    assert not any(k[0] == "" for k in rest)  # nothing left over on the parent GPU

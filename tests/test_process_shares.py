@@ -163,6 +163,13 @@ def test_usage_state(held: bool, util: float | None, procs: bool, state: str) ->
     assert usage_state(held, util, shares) == state
 
 
+def test_usage_unknown_without_utilization_or_processes() -> None:
+    # a MIG device (no utilization of its own) with process attribution off
+    assert usage_state(True, None, None) == "held"
+    assert usage_state(False, None, None) == "unowned"
+    assert usage_state(True, 0, None) == "held_idle"
+
+
 @given(
     memories=st.lists(
         st.tuples(st.sampled_from(sorted(OWNERS)), st.one_of(st.none(), st.integers(0, 2**45))),

@@ -89,7 +89,7 @@ def build_share_families(
     state = gauge(
         ALLOCATION_STATE,
         "Per device, 1 for its state: held_busy, held_idle (allocated, nothing runs), "
-        "unowned_busy (runs, no pod holds it) or free.",
+        "unowned_busy (runs, no pod holds it), free; held / unowned when its use is unknown.",
         [*device_names, "state"],
     )
     fam: dict[str, GaugeMetricFamily] = {

@@ -34,9 +34,18 @@ UNATTRIBUTED_REASONS = (
 )
 
 # What the kubelet says about a device against what runs on it, for alerts:
-# held_busy, held_idle ("idle but allocated"), unowned_busy ("busy but unowned"), free.
-UsageState = Literal["held_busy", "held_idle", "unowned_busy", "free"]
-USAGE_STATES: tuple[UsageState, ...] = ("held_busy", "held_idle", "unowned_busy", "free")
+# held_busy, held_idle ("idle but allocated"), unowned_busy ("busy but unowned"), free; and
+# held / unowned where nothing tells whether it is in use (a MIG device reports no
+# utilization of its own: without process attribution its use is unknown).
+UsageState = Literal["held_busy", "held_idle", "unowned_busy", "free", "held", "unowned"]
+USAGE_STATES: tuple[UsageState, ...] = (
+    "held_busy",
+    "held_idle",
+    "unowned_busy",
+    "free",
+    "held",
+    "unowned",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +99,9 @@ PROCESSES_OFF = ProcessView("off")
 
 def usage_state(held: bool, util_percent: float | None, shares: DeviceShares | None) -> UsageState:
     """Busy: the device reports utilization above zero, or a process runs on it (where
-    process attribution is on). A device with neither figure counts as idle."""
+    process attribution is on). With neither figure its use is unknown."""
+    if util_percent is None and shares is None:
+        return "held" if held else "unowned"
     busy = (util_percent or 0) > 0 or (shares is not None and bool(shares.processes))
     if held:
         return "held_busy" if busy else "held_idle"
