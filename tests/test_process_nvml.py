@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import time
 
+import pytest
+
 from gpuid_agent.model import GpuIdentity
 from gpuid_agent.sources.nvml.api import PynvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
@@ -121,3 +123,39 @@ async def test_mig_processes_carry_their_instance_ids(fake_nvml: FakeNvml) -> No
     gpus, first, _ = await read_twice(fake_nvml, config)
     got = {p.pid: (p.gpu_instance_id, p.compute_instance_id) for p in first[gpus[0].uuid].processes}
     assert got == {11: (mig[0].gi_id, mig[0].ci_id), 12: (mig[1].gi_id, mig[1].ci_id)}
+
+
+async def test_the_c_calls_follow_nvmls_two_call_protocol(fake_nvml: FakeNvml) -> None:
+    """What pynvml relies on: a NULL array answers INSUFFICIENT_SIZE with the count, an
+    unknown structure version is refused, an empty list is SUCCESS with 0."""
+    import ctypes
+
+    import pynvml
+
+    config = fakenvml.h100x8()
+    config.gpus[0].processes = [FakeProcess(1, 1), FakeProcess(2, 2), FakeProcess(3, 3)]
+    config.gpus[0].process_util = [FakeProcessUtil(1, 10)]
+    fake_nvml.apply(config)
+    pynvml.nvmlInit()
+    try:
+        lib = fake_nvml.lib
+        assert lib is not None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        count = ctypes.c_uint(0)
+        fn = lib.nvmlDeviceGetComputeRunningProcesses_v3
+        assert fn(handle, ctypes.byref(count), None) == 7 and count.value == 3
+        count.value = 1  # too small an array
+        array = (pynvml.c_nvmlProcessInfo_v3_t * 1)()
+        assert fn(handle, ctypes.byref(count), array) == 7 and count.value == 3
+        idle = pynvml.nvmlDeviceGetHandleByIndex(1)
+        count.value = 0
+        assert fn(idle, ctypes.byref(count), None) == 0 and count.value == 0
+        info = pynvml.c_nvmlProcessesUtilizationInfo_v1_t()
+        info.version = 0x02000018
+        assert lib.nvmlDeviceGetProcessesUtilizationInfo(handle, ctypes.byref(info)) == 25
+        with pytest.raises(pynvml.NVMLError_NotFound):  # no samples: NOT_FOUND, as drivers say
+            pynvml.nvmlDeviceGetProcessesUtilizationInfo(idle, 0)
+        (sample,) = pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, 0)
+        assert (sample.pid, sample.smUtil) == (1, 10)
+    finally:
+        pynvml.nvmlShutdown()
