@@ -4,6 +4,7 @@ who holds which GPU, and the agent's /gpu/metrics and /status are read over HTTP
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 from collections.abc import AsyncIterator
@@ -282,3 +283,44 @@ async def test_mig_devices_get_their_own_shares_and_states(
     # each MIG device's parts add up to its own memory used (13 MiB and 6 MiB in the fake)
     assert rest[(gi0, "unaccounted")] == 1024**2 and rest[(gi1, "unaccounted")] == 2 * 1024**2
     assert not any(k[0] == "" for k in rest)  # nothing left over on the parent GPU
+
+
+async def test_pod_cache_follows_container_restarts_by_uid(kube: FakeKube, tmp_path: Path) -> None:
+    """A restarted container gets a new id: the watch's MODIFIED event must reach `by_uid`,
+    and a deleted pod stays findable by UID while its tombstone lasts."""
+    from gpuid_agent.sources.kube.client import create_kube_client
+    from gpuid_agent.sources.kube.pods import PodCache
+
+    kubeconfig = write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken")
+
+    async def factory(mode: str) -> Any:
+        return await create_kube_client(mode, environ={"KUBECONFIG": str(kubeconfig)})
+
+    uid = api_pod(kube, "train", "trainer", CID_TRAIN)
+    cache = PodCache(NODE, client_factory=factory)
+    assert await cache.open()
+    task = asyncio.create_task(cache.run())
+    try:
+        await eventually(lambda: cache.ready)
+        meta = cache.by_uid(uid)
+        assert meta is not None and dict(meta.containers) == {CID_TRAIN: "trainer"}
+        obj = kube.get("Pod", "train", "ml")
+        assert obj is not None
+        obj["status"]["containerStatuses"] = [
+            {"name": "trainer", "containerID": f"cri-o://{CID_SERVE}"},
+            {"name": "bad", "containerID": 7},  # malformed: skipped
+        ]
+        obj["status"]["initContainerStatuses"] = [
+            {"name": "init", "containerID": f"containerd://{CID_ROGUE.upper()}"}
+        ]
+        kube.update(obj)
+        await eventually(lambda: CID_SERVE in (cache.by_uid(uid) or meta).containers)
+        assert dict(cache.by_uid(uid).containers) == {CID_SERVE: "trainer", CID_ROGUE: "init"}  # type: ignore[union-attr]
+        kube.delete("Pod", "train", "ml")
+        await eventually(lambda: cache.lookup("ml", "train") is not None and not cache._pods)
+        assert cache.by_uid(uid) is not None  # tombstoned: its processes still attributed
+        assert cache.by_uid("") is None and cache.by_uid("nope") is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await cache.close()
