@@ -150,3 +150,14 @@ def test_hostile_text_never_raises(text: str) -> None:
 def test_real_paths_survive_noise_lines(uid, cid, qos, layout, noise) -> None:  # type: ignore[no-untyped-def]
     text = "\n".join([*noise, v2(layout(uid, cid, qos)).strip(), *noise])
     assert parse_cgroup(text) == CgroupOwner(uid, cid, qos)
+
+
+@given(st.binary(max_size=2000))
+@settings(max_examples=100, deadline=None)
+def test_hostile_bytes_in_the_file_never_raise(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    proc = FakeProc(tmp_path_factory.mktemp("proc"))
+    proc.add(42, data)
+    got = HostProc(str(proc.root)).owner(42)
+    assert isinstance(got, CgroupOwner) or got in (HOST_PROCESS, UNKNOWN_CGROUP, PID_GONE)
