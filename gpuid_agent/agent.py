@@ -36,6 +36,7 @@ from gpuid_agent.simulate.environment import node_environment
 from gpuid_agent.sources.kube.client import KubeClient, open_shared_client, request_counter
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
+from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
@@ -63,10 +64,14 @@ class Agent:
             s, self.environment.pod_resources_socket, self.board, self.metrics.attribution
         )
         self.pod_resources = self.attributor.source
-        nvml = NvmlSource(self.environment.nvml_api, call_timeout=s.effective_stall_timeout())
+        env = self.environment
+        if env.pod_directory is not None:  # a simulated node's pods, without an API server
+            self.attributor.pods, self.pods = env.pod_directory, None
+        nvml = NvmlSource(env.nvml_api, call_timeout=s.effective_stall_timeout())
+        processes = ProcessTracker(enabled=env.process_attribution, host_proc=env.host_proc)
         self.collector = Collector(
             s, self.identity, nvml, self.attributor, self.bus,
-            metrics=self.metrics, board=self.board,
+            metrics=self.metrics, board=self.board, processes=processes,
         )  # fmt: skip
         self.health, self.xid = self.collector.health, self.collector.health.xid
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)

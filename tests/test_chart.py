@@ -304,6 +304,7 @@ HOST_PATHS = {
     "dmi-product-uuid": ("File", True, "DMI_PRODUCT_UUID_PATH"),
     "machine-id": ("File", True, "MACHINE_ID_PATH"),
     "driver-root": ("Directory", True, "NVML_LIBRARY_PATH"),
+    "host-proc": ("Directory", True, "HOST_PROC"),
     "spool": ("DirectoryOrCreate", False, "SPOOL_DIR"),
 }
 
@@ -328,6 +329,18 @@ def test_host_paths_have_explicit_types_and_only_the_spool_is_writable() -> None
     assert set(_mounts(default)) == {"pod-resources", "dmi-product-uuid", "machine-id"}
     socket = _env(agent_container(default))["POD_RESOURCES_SOCKET"]["value"]
     assert socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert _env(agent_container(default))["PROCESS_ATTRIBUTION"]["value"] == "false"
+
+
+def test_process_attribution_mounts_the_host_proc_read_only_without_host_pid() -> None:
+    daemonset = rendered("process-attribution-values.yaml", newest_supported()).one("DaemonSet")
+    agent = agent_container(daemonset)
+    env = _env(agent)
+    volume, mount = _mounts(daemonset)["host-proc"]
+    assert volume["hostPath"] == {"path": "/proc", "type": "Directory"}
+    assert mount["readOnly"] is True and mount["mountPath"] == env["HOST_PROC"]["value"]
+    assert env["PROCESS_ATTRIBUTION"]["value"] == "true"
+    assert not daemonset["spec"]["template"]["spec"].get("hostPID")
 
 
 def test_probes_hit_healthz_and_readyz_on_the_agent_port() -> None:

@@ -30,7 +30,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 EXPORTER_NAMES = ("stdout", "http", "postgres", "s3")
 # Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
 # SIMULATE fails at start with the other configuration errors.
-SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig")
+SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "timesliced")
 
 
 def parse_duration(value: object) -> float:
@@ -231,6 +231,14 @@ class Settings(BaseSettings):
     )
     kube_api: Literal["auto", "off"] = Field(
         "auto", description="Use the Kubernetes API (auto: when config is found)."
+    )
+    process_attribution: bool = Field(
+        False,
+        description="Per-process GPU shares mapped to pods (reads NVML's process lists and "
+        "HOST_PROC); off: neither is touched.",
+    )
+    host_proc: str = Field(
+        "/proc", description="The host's /proc (mounted read-only) for PROCESS_ATTRIBUTION."
     )
 
     # node labels and machine identity

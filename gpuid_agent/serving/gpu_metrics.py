@@ -47,8 +47,10 @@ from gpuid_agent.serving.metrics_fields import (
     pod_label_columns,
     pod_label_name,
 )
+from gpuid_agent.serving.share_families import build_share_families
 from gpuid_agent.serving.text_exposition import write_text
 from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.health.model import NodeHealth
 
 # The tables live in metrics_fields; callers keep reading them from here.
@@ -226,9 +228,18 @@ def collect(
     *,
     attribution: Attribution | None = None,
     options: RenderOptions | None = None,
+    processes: ProcessView = PROCESSES_OFF,
 ) -> list[Metric]:
     """Every /gpu/metrics family of one collection, ready for either exposition format."""
     families = build_families(inventory, samples, naming, attribution, options)
+    families += build_share_families(
+        inventory,
+        samples,
+        naming,
+        attribution or Attribution("unavailable"),
+        processes=processes,
+        options=options or RenderOptions(),
+    )
     if health is not None:
         families.extend(build_health_families(inventory, health, naming))
     return families
@@ -254,9 +265,18 @@ def render(
     *,
     attribution: Attribution | None = None,
     options: RenderOptions | None = None,
+    processes: ProcessView = PROCESSES_OFF,
 ) -> RenderedMetrics:
     """Both formats at once (the renderer makes OpenMetrics only when a client asks)."""
-    families = collect(inventory, samples, naming, health, attribution=attribution, options=options)
+    families = collect(
+        inventory,
+        samples,
+        naming,
+        health,
+        attribution=attribution,
+        options=options,
+        processes=processes,
+    )
     return RenderedMetrics(expose(families, "text"), expose(families, "openmetrics"))
 
 

@@ -243,6 +243,23 @@ JOIN_LABELS: tuple[tuple[str, str], ...] = (
 )
 HOLDERS_METRIC = "gpuid_gpu_holders"
 ALLOCATION_INFO = "gpuid_gpu_allocation_info"
+# who uses each device (share_families.py): same names under both namings
+ALLOCATION_STATE = "gpuid_gpu_allocation_state"
+HOLDER_MEMORY = "gpuid_gpu_holder_memory_used_bytes"
+HOLDER_SM = "gpuid_gpu_holder_sm_utilization_ratio"
+HOLDER_PROCESSES = "gpuid_gpu_holder_processes"
+UNATTRIBUTED_MEMORY = "gpuid_gpu_unattributed_memory_used_bytes"
+UNATTRIBUTED_SM = "gpuid_gpu_unattributed_sm_utilization_ratio"
+UNATTRIBUTED_PROCESSES = "gpuid_gpu_unattributed_processes"
+SHARE_METRICS = (
+    ALLOCATION_STATE,
+    HOLDER_MEMORY,
+    HOLDER_SM,
+    HOLDER_PROCESSES,
+    UNATTRIBUTED_MEMORY,
+    UNATTRIBUTED_SM,
+    UNATTRIBUTED_PROCESSES,
+)
 _LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -273,7 +290,14 @@ def metric_names(naming: Naming) -> list[str]:
     """Every metric family /gpu/metrics can expose under a naming."""
     info = "gpuid_gpu_info" if naming == "prometheus" else "DCGM_FI_DEV_INFO"
     names = [f.prom_name if naming == "prometheus" else f.dcgm_name for f in FIELDS]
-    return [info, HOLDERS_METRIC, ALLOCATION_INFO, *names, *health_metric_names(naming)]
+    return [
+        info,
+        HOLDERS_METRIC,
+        ALLOCATION_INFO,
+        *names,
+        *health_metric_names(naming),
+        *SHARE_METRICS,
+    ]
 
 
 def label_values(inventory: NodeInventory, gpu: GpuIdentity) -> list[str]:

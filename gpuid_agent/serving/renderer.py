@@ -118,5 +118,6 @@ class MetricsRenderer:
             snapshot.health,
             attribution=snapshot.attribution,
             options=self._options,
+            processes=snapshot.processes,
         )
         return gpu_metrics.expose(families, fmt)

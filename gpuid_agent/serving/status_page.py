@@ -21,6 +21,7 @@ from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
+from gpuid_agent.serving.share_families import usage_status
 from gpuid_agent.state.collector import Collector
 
 
@@ -109,6 +110,10 @@ class StatusPage:
                 "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
             },
             "attribution": {**collector.attributor.status(), **parts},
+            "processes": collector.processes.status(),
+            "usage": None
+            if (last := collector.last) is None
+            else usage_status(last.inventory, last.samples, last.attribution, last.processes),
             "exporters": [w.describe() for w in self._pipeline.workers],
             "config": self._settings.redacted(),
         }

@@ -11,7 +11,10 @@ import tempfile
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.simulate.kubelet import FakeKubelet, simulated_pods
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.simulate.processes import plan_processes
+from gpuid_agent.simulate.profiles import PROCESS_PROFILES
 from gpuid_agent.sources.host import HostNode, NodeEnvironment
+from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.api import NvmlApi
 
 
@@ -28,6 +31,21 @@ class SimulatedNode:
         else:
             self._dir = tempfile.mkdtemp(prefix="gpuid-kubelet-")
             self.pod_resources_socket = os.path.join(self._dir, "kubelet.sock")
+        self.process_attribution = settings.process_attribution
+        self.host_proc = settings.host_proc
+        self.pod_directory: PodDirectory | None = None
+        api = self.nvml_api
+        if self._dir is not None and isinstance(api, SimulatedNvml):
+            self._pods = simulated_pods(api.gpus)
+            if settings.simulate in PROCESS_PROFILES:
+                # its pods run processes: shares on, over a /proc of its own
+                self.host_proc = os.path.join(self._dir, "proc")
+                self.pod_directory = plan_processes(
+                    self._node, api.gpus, self._pods[0], self.host_proc
+                )
+                # on unless PROCESS_ATTRIBUTION was set explicitly (the benchmark's "off")
+                if "process_attribution" not in settings.model_fields_set:
+                    self.process_attribution = True
 
     def machine(self) -> tuple[str, str]:
         return f"sim-{self._node}", "simulated"
@@ -35,7 +53,7 @@ class SimulatedNode:
     async def start(self) -> None:
         if self._dir is None or not isinstance(self.nvml_api, SimulatedNvml):
             return
-        pods, allocatable = simulated_pods(self.nvml_api.gpus)
+        pods, allocatable = self._pods
         self._kubelet = FakeKubelet(self.pod_resources_socket, pods, allocatable)
         await self._kubelet.start()
 

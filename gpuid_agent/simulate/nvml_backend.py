@@ -13,6 +13,7 @@ import pynvml
 from gpuid_agent.model import PlatformInfo
 from gpuid_agent.runtime.fault_spec import Fault, parse_fault
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
+from gpuid_agent.sources.nvml.processes import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 
@@ -145,6 +146,9 @@ class SimulatedNvml:
         gpu = self._gpu(handle)
         if gpu.mig:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if gpu.telemetry_from_processes:
+            sm = sum(self._sm(gpu, p) for p in gpu.processes)
+            return min(100, round(sm)), min(100, round(sm * 0.6))
         load = self._wave(gpu, 30.0)
         return round(100 * load), round(60 * load)
 
@@ -153,6 +157,10 @@ class SimulatedNvml:
             used = handle.memory_total // 4
             return handle.memory_total, used, handle.memory_total - used
         gpu = self._gpu(handle)
+        if gpu.telemetry_from_processes:
+            # what the processes hold plus the driver's own reservation
+            used = sum(p.memory for p in gpu.processes) + 500 * 1024 * 1024
+            return gpu.memory_total, used, gpu.memory_total - used
         used = int(gpu.memory_total * 0.8 * self._wave(gpu, 120.0))
         return gpu.memory_total, used, gpu.memory_total - used
 
@@ -247,6 +255,27 @@ class SimulatedNvml:
 
     def persistence_mode(self, handle: Any) -> int:
         return 0 if self._fault(self._gpu(handle), "persistence-off") else 1
+
+    # ---- processes ------------------------------------------------------------------------
+
+    def compute_processes(self, handle: Any) -> list[ProcessInfo]:
+        gpu = self._gpu(handle)
+        return [ProcessInfo(p.pid, p.memory) for p in gpu.processes if not p.mps]
+
+    def mps_processes(self, handle: Any) -> list[ProcessInfo]:
+        gpu = self._gpu(handle)
+        return [ProcessInfo(p.pid, p.memory, mps=True) for p in gpu.processes if p.mps]
+
+    def _sm(self, gpu: SimGpu, process: Any) -> float:
+        """A process's SM share, moving between 60 % and 100 % of its nominal share."""
+        return float(process.sm_util * (0.6 + 0.4 * self._wave(gpu, 20.0 + process.pid % 7)))
+
+    def process_utilization(self, handle: Any, since_us: int) -> list[ProcessSample]:
+        gpu = self._gpu(handle)
+        now = time.time_ns() // 1000
+        if now <= since_us:
+            return []
+        return [ProcessSample(p.pid, now, round(self._sm(gpu, p))) for p in gpu.processes]
 
     # ---- XID events ----------------------------------------------------------------------
 

@@ -19,6 +19,16 @@ class SimMig:
 
 
 @dataclass(slots=True)
+class SimProcess:
+    """A process the simulated driver lists on a GPU (host PID), and its share of the GPU."""
+
+    pid: int
+    memory: int  # bytes
+    sm_util: int  # percent
+    mps: bool = False
+
+
+@dataclass(slots=True)
 class SimGpu:
     uuid: str
     serial: str | None
@@ -31,6 +41,9 @@ class SimGpu:
     platform: PlatformInfo | None = None
     mig: list[SimMig] = field(default_factory=list)
     lost: bool = False
+    processes: list[SimProcess] = field(default_factory=list)
+    # utilization and memory follow the processes (a GPU without any reads idle)
+    telemetry_from_processes: bool = False
 
 
 def _digits(seed: str, n: int) -> str:
@@ -104,4 +117,12 @@ def mig_h100(node: str) -> list[SimGpu]:
     return gpus
 
 
-PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100}
+def timesliced(node: str) -> list[SimGpu]:
+    """HGX H100 whose pods run processes (simulate/processes.py): a time-sliced GPU shared by
+    three pods, a training pod, an idle notebook, a GPU busy with a pod that holds none."""
+    return h100x8(node)
+
+
+PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100, "timesliced": timesliced}
+# profiles whose pods run processes: process attribution is on for them
+PROCESS_PROFILES = frozenset({"timesliced"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from gpuid_agent.runtime.config import Settings
+from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.machine import local_machine_id
 from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
 
@@ -15,6 +16,11 @@ from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
 class NodeEnvironment(Protocol):
     nvml_api: NvmlApi
     pod_resources_socket: str
+    # per-process shares: on or off, the host's /proc, and (simulated node only) the pods
+    # without an API server
+    process_attribution: bool
+    host_proc: str
+    pod_directory: PodDirectory | None
 
     def machine(self) -> tuple[str, str]:
         """(machine id, where it came from) before the Kubernetes API says better."""
@@ -31,6 +37,9 @@ class HostNode:
         self._settings = settings
         self.nvml_api: NvmlApi = nvml_api or PynvmlApi(settings.nvml_library_path)
         self.pod_resources_socket = settings.pod_resources_socket
+        self.process_attribution = settings.process_attribution
+        self.host_proc = settings.host_proc
+        self.pod_directory: PodDirectory | None = None
 
     def machine(self) -> tuple[str, str]:
         s = self._settings

@@ -30,6 +30,7 @@ from gpuid_agent.sources.nvml.reader import NvmlReading, with_health_fields
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import count_allocatable_gpus
+from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import Transition
@@ -69,6 +70,7 @@ class Collector:
         *,
         metrics: AgentMetrics,
         board: StatusBoard,
+        processes: ProcessTracker | None = None,
     ) -> None:
         self.identity = identity
         self.nvml = nvml
@@ -82,6 +84,10 @@ class Collector:
         self._backoff = Backoff(interval, max(interval, NVML_BACKOFF_MAX))
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
+        self.processes = processes or ProcessTracker(
+            enabled=settings.process_attribution, host_proc=settings.host_proc
+        )
+        self.last: NodeSnapshot | None = None
         self._seq = 0
         self._busy_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,19 +104,26 @@ class Collector:
         if self.inventory is None:
             return
         attribution = self.attributor.refresh(self.inventory)
-        self._seq += 1
-        self.bus.publish(
-            NodeSnapshot(
-                seq=self._seq,
-                cause=cause,
-                inventory=self.inventory,
-                samples=self.samples,
-                health=self.health.snapshot(),
-                attribution=attribution,
-                transitions=tuple(transitions or ()),
-                pods_ready=self.attributor.pods_ready,
-            )
+        processes = self.processes.view(
+            self.inventory,
+            self.samples,
+            attribution,
+            self.attributor.pods,
+            self.attributor.label_allowlist,
         )
+        self._seq += 1
+        self.last = NodeSnapshot(
+            seq=self._seq,
+            cause=cause,
+            inventory=self.inventory,
+            samples=self.samples,
+            health=self.health.snapshot(),
+            attribution=attribution,
+            transitions=tuple(transitions or ()),
+            pods_ready=self.attributor.pods_ready,
+            processes=processes,
+        )
+        self.bus.publish(self.last)
 
     # ---- collection ------------------------------------------------------------------------
 
@@ -152,6 +165,7 @@ class Collector:
             read_time=datetime.now(UTC),
         )
         signals, transitions = await self._check_health(inventory, reading)
+        await self.processes.collect(self.nvml, inventory.gpus)
         # Inventory and samples change together: a snapshot published meanwhile (attribution,
         # XID) must not pair the new GPUs with the last pass's telemetry.
         # ECC, remapped rows and clock events were read once, for health; /gpu/metrics too.

@@ -15,6 +15,7 @@ from typing import Literal
 
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.state.attribution.model import Attribution
+from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.health.model import NodeHealth, Transition
 
 Cause = Literal["collection", "xid", "attribution"]
@@ -32,4 +33,6 @@ class NodeSnapshot:
     transitions: tuple[Transition, ...] = ()
     # Pod metadata from the API is in (or the API is off): allocation ids are final.
     pods_ready: bool = True
+    # per-process shares of each device (PROCESS_ATTRIBUTION; "off" otherwise)
+    processes: ProcessView = PROCESSES_OFF
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))

@@ -59,6 +59,8 @@ __all__ = [
     "FakeMig",
     "FakeNvmlBuildError",
     "FakeNvmlConfig",
+    "FakeProcess",
+    "FakeProcessUtil",
     "build_fake_nvml",
     "gb200x4",
     "h100x8",
@@ -157,6 +159,37 @@ class FakeMig:
 
 
 @dataclass
+class FakeProcess:
+    """A process on a GPU (compute or MPS list); `used` None reads as "not available"."""
+
+    pid: int
+    used: int | None = 0
+    gi: int | None = None  # GPU / compute instance of a MIG device
+    ci: int | None = None
+
+    def statement(self) -> str:
+        used = "-" if self.used is None else str(int(self.used))
+        ids = f" {self.gi} {self.ci}" if self.gi is not None else ""
+        return f"{int(self.pid)} {used}{ids}"
+
+
+@dataclass
+class FakeProcessUtil:
+    """One per-process utilization sample (percent); timestamp 0 means "now"."""
+
+    pid: int
+    sm: int
+    mem: int = 0
+    enc: int = 0
+    dec: int = 0
+    timestamp_us: int = 0
+
+    def statement(self) -> str:
+        values = (self.pid, self.sm, self.mem, self.enc, self.dec, self.timestamp_us)
+        return " ".join(str(int(v)) for v in values)
+
+
+@dataclass
 class FakeGpu:
     """One GPU.  ``None`` means "not set": the matching getter is NOT_SUPPORTED."""
 
@@ -227,9 +260,14 @@ class FakeGpu:
     xids: list[tuple[int, int]] = field(default_factory=list)  # (xid code, after_n_waits)
     # field key (function name, key or group, as for errors) -> seconds its calls hang
     blocks: dict[str, float] = field(default_factory=dict)
+    # running processes and their samples (nvmlDeviceGet*RunningProcesses_v3, *ProcessUtil*)
+    processes: list[FakeProcess] = field(default_factory=list)
+    mps_processes: list[FakeProcess] = field(default_factory=list)
+    process_util: list[FakeProcessUtil] = field(default_factory=list)
 
 
-_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids", "blocks"})
+_PROCESS_FIELDS = frozenset({"processes", "mps_processes", "process_util"})
+_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids", "blocks"}) | _PROCESS_FIELDS
 _SPECIAL_MIG_FIELDS = frozenset({"errors"})
 
 
@@ -287,6 +325,9 @@ class FakeNvmlConfig:
                 lines.append(f"{prefix} xid {int(code)} {int(after)}")
             for key, secs in gpu.blocks.items():
                 lines.append(f"{prefix} block {key} {float(secs)!r}")
+            lines.extend(f"{prefix} process {p.statement()}" for p in gpu.processes)
+            lines.extend(f"{prefix} mps_process {p.statement()}" for p in gpu.mps_processes)
+            lines.extend(f"{prefix} process_util {u.statement()}" for u in gpu.process_util)
             for j, mig in enumerate(gpu.mig):
                 mprefix = f"{prefix} mig {j}"
                 mig_lines = list(_render_fields(mig, mprefix, _SPECIAL_MIG_FIELDS))

@@ -112,6 +112,17 @@
  *
  * A handle whose GPU index is no longer below the count (after the file
  * shrank) behaves like a lost GPU.
+ *
+ * Running processes (see the block at the end of this file):
+ *   gpu <i> process <pid> <used_bytes> [<gi> <ci>]      a compute process
+ *   gpu <i> mps_process <pid> <used_bytes> [<gi> <ci>]  a process under MPS
+ *   gpu <i> process_util <pid> <sm> [<mem> <enc> <dec> [<timestamp_us>]]
+ * used_bytes "-" reads as NVML_VALUE_NOT_AVAILABLE; gi/ci default to
+ * 0xFFFFFFFF (no MIG).  Samples default to the call's own time, so every call
+ * sees them; an explicit timestamp older than the caller's lastSeenTimeStamp
+ * is not returned.  With no sample newer than lastSeen the utilization calls
+ * answer NVML_ERROR_NOT_FOUND, as drivers do.  Error and block keys: the
+ * function name or the group "processes" (lists) / "process_util" (samples).
  */
 
 #include <pthread.h>
@@ -500,6 +511,10 @@ static void block_set(struct block_entry *arr, int *n, const char *key, const ch
     (*n)++;
 }
 
+/* Running processes and their utilization samples (block at the end of the file). */
+static void procs_reset(void);
+static int procs_parse_gpu_key(int gi, const char *key, char *rest);
+
 static void parse_gpu_line(char *rest) {
     unsigned long long idx;
     char *tok = next_token(&rest);
@@ -546,6 +561,8 @@ static void parse_gpu_line(char *rest) {
         } else {
             kv_set(m->kv, &m->nkv, MIG_KV, mkey, trim(rest));
         }
+    } else if (procs_parse_gpu_key((int)idx, key, rest)) {
+        /* a process statement */
     } else {
         kv_set(g->kv, &g->nkv, MAX_KV, key, trim(rest));
     }
@@ -579,6 +596,7 @@ static void parse_line(char *line) {
 
 static void load_config(const char *path) {
     memset(&g_cfg, 0, sizeof(g_cfg));
+    procs_reset();
     copy_bounded(g_cfg.driver_version, VAL_LEN, "570.86.15");
     g_cfg.cuda_driver_version = 12080;
     if (path) {
@@ -1806,5 +1824,251 @@ EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *dat
 EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data,
                                      unsigned int timeoutms) {
     return event_wait(set, data, timeoutms, 0);
+}
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Running processes and per-process utilization samples                    */
+
+#define MAX_PROCS 512
+#define NVML_VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t; /* v2 and v3 share this layout */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+typedef struct {
+    unsigned long long timeStamp;
+    unsigned int pid;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+    unsigned int jpgUtil;
+    unsigned int ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned int processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_t;
+
+#define NVML_PROCESSES_UTILIZATION_INFO_V1 0x01000018u
+
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
+_Static_assert(sizeof(nvmlProcessUtilizationInfo_v1_t) == 40, "process util info v1");
+_Static_assert(sizeof(nvmlProcessesUtilizationInfo_t) ==
+                   (NVML_PROCESSES_UTILIZATION_INFO_V1 & 0xFFFFFF),
+               "processes util info");
+
+struct fake_proc {
+    unsigned int pid;
+    unsigned long long used;
+    unsigned int gi, ci;
+};
+
+struct fake_proc_util {
+    unsigned int pid;
+    unsigned int sm, mem, enc, dec;
+    unsigned long long ts; /* 0: the time of the call */
+};
+
+struct fake_procs {
+    int ncompute, nmps, nutil;
+    struct fake_proc compute[MAX_PROCS];
+    struct fake_proc mps[MAX_PROCS];
+    struct fake_proc_util util[MAX_PROCS];
+};
+
+static struct fake_procs g_procs[MAX_GPUS];
+
+static void procs_reset(void) { memset(g_procs, 0, sizeof(g_procs)); }
+
+static int parse_proc(char *rest, struct fake_proc *out) {
+    unsigned long long pid, used, gi = INVALID_INSTANCE_ID, ci = INVALID_INSTANCE_ID;
+    if (!parse_u64(next_token(&rest), &pid)) return 0;
+    char *u = next_token(&rest);
+    if (u && strcmp(u, "-") == 0)
+        used = NVML_VALUE_NOT_AVAILABLE_ULL;
+    else if (!parse_u64(u, &used))
+        return 0;
+    char *t = next_token(&rest);
+    if (t && (!parse_u64(t, &gi) || !parse_u64(next_token(&rest), &ci))) return 0;
+    out->pid = (unsigned int)pid;
+    out->used = used;
+    out->gi = (unsigned int)gi;
+    out->ci = (unsigned int)ci;
+    return 1;
+}
+
+static int parse_proc_util(char *rest, struct fake_proc_util *out) {
+    unsigned long long v[6] = {0, 0, 0, 0, 0, 0};
+    int n = 0;
+    char *t;
+    while (n < 6 && (t = next_token(&rest)) != NULL) {
+        if (!parse_u64(t, &v[n])) return 0;
+        n++;
+    }
+    if (n < 2) return 0;
+    out->pid = (unsigned int)v[0];
+    out->sm = (unsigned int)v[1];
+    out->mem = (unsigned int)v[2];
+    out->enc = (unsigned int)v[3];
+    out->dec = (unsigned int)v[4];
+    out->ts = v[5];
+    return 1;
+}
+
+/* 1 when key is a process statement (consumed, valid or not). */
+static int procs_parse_gpu_key(int gi, const char *key, char *rest) {
+    struct fake_procs *p = &g_procs[gi];
+    if (strcmp(key, "process") == 0) {
+        if (p->ncompute < MAX_PROCS && parse_proc(rest, &p->compute[p->ncompute])) p->ncompute++;
+        return 1;
+    }
+    if (strcmp(key, "mps_process") == 0) {
+        if (p->nmps < MAX_PROCS && parse_proc(rest, &p->mps[p->nmps])) p->nmps++;
+        return 1;
+    }
+    if (strcmp(key, "process_util") == 0) {
+        if (p->nutil < MAX_PROCS && parse_proc_util(rest, &p->util[p->nutil])) p->nutil++;
+        return 1;
+    }
+    return 0;
+}
+
+static unsigned long long now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+}
+
+/* The list calls: NVML's two-call protocol (count with a NULL array first). */
+static nvmlReturn_t process_list(nvmlDevice_t device, const char *fn, int mps,
+                                 unsigned int *count, nvmlProcessInfo_t *infos) {
+    int gi;
+    API_ENTER();
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, fn, KEYS("processes"), NULL, NULL, &gi);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (!count) RET(NVML_ERROR_INVALID_ARGUMENT);
+    const struct fake_procs *p = &g_procs[gi];
+    int n = mps ? p->nmps : p->ncompute;
+    const struct fake_proc *src = mps ? p->mps : p->compute;
+    if (*count < (unsigned int)n || (n > 0 && !infos)) {
+        *count = (unsigned int)n;
+        RET(n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        infos[i].pid = src[i].pid;
+        infos[i].usedGpuMemory = src[i].used;
+        infos[i].gpuInstanceId = src[i].gi;
+        infos[i].computeInstanceId = src[i].ci;
+    }
+    *count = (unsigned int)n;
+    RET(NVML_SUCCESS);
+}
+
+#ifndef OMIT_nvmlDeviceGetComputeRunningProcesses_v3
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                            unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos) {
+    return process_list(device, __func__, 0, infoCount, infos);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetMPSComputeRunningProcesses_v3
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                               unsigned int *infoCount,
+                                                               nvmlProcessInfo_t *infos) {
+    return process_list(device, __func__, 1, infoCount, infos);
+}
+#endif
+
+/* Samples newer than last_seen, their timestamps filled in.  Caller holds g_lock. */
+static int due_samples(int gi, unsigned long long last_seen, struct fake_proc_util *out) {
+    const struct fake_procs *p = &g_procs[gi];
+    unsigned long long now = now_us();
+    int n = 0;
+    for (int i = 0; i < p->nutil; i++) {
+        struct fake_proc_util s = p->util[i];
+        if (!s.ts) s.ts = now;
+        if (s.ts > last_seen) out[n++] = s;
+    }
+    return n;
+}
+
+#ifndef OMIT_nvmlDeviceGetProcessUtilization
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                                    nvmlProcessUtilizationSample_t *utilization,
+                                                    unsigned int *processSamplesCount,
+                                                    unsigned long long lastSeenTimeStamp) {
+    static struct fake_proc_util due[MAX_PROCS];
+    int gi;
+    API_ENTER();
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, __func__, KEYS("process_util"), NULL, NULL, &gi);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (!processSamplesCount) RET(NVML_ERROR_INVALID_ARGUMENT);
+    int n = due_samples(gi, lastSeenTimeStamp, due);
+    if (n == 0) RET(NVML_ERROR_NOT_FOUND);
+    if (!utilization || *processSamplesCount < (unsigned int)n) {
+        *processSamplesCount = (unsigned int)n;
+        RET(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        utilization[i].pid = due[i].pid;
+        utilization[i].timeStamp = due[i].ts;
+        utilization[i].smUtil = due[i].sm;
+        utilization[i].memUtil = due[i].mem;
+        utilization[i].encUtil = due[i].enc;
+        utilization[i].decUtil = due[i].dec;
+    }
+    *processSamplesCount = (unsigned int)n;
+    RET(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetProcessesUtilizationInfo
+EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                          nvmlProcessesUtilizationInfo_t *info) {
+    static struct fake_proc_util due[MAX_PROCS];
+    int gi;
+    API_ENTER();
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, __func__, KEYS("process_util"), NULL, NULL, &gi);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (!info) RET(NVML_ERROR_INVALID_ARGUMENT);
+    if (info->version != NVML_PROCESSES_UTILIZATION_INFO_V1)
+        RET(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    int n = due_samples(gi, info->lastSeenTimeStamp, due);
+    if (n == 0) RET(NVML_ERROR_NOT_FOUND);
+    if (!info->procUtilArray || info->processSamplesCount < (unsigned int)n) {
+        info->processSamplesCount = (unsigned int)n;
+        RET(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (int i = 0; i < n; i++) {
+        nvmlProcessUtilizationInfo_v1_t *o = &info->procUtilArray[i];
+        memset(o, 0, sizeof(*o));
+        o->timeStamp = due[i].ts;
+        o->pid = due[i].pid;
+        o->smUtil = due[i].sm;
+        o->memUtil = due[i].mem;
+        o->encUtil = due[i].enc;
+        o->decUtil = due[i].dec;
+    }
+    info->processSamplesCount = (unsigned int)n;
+    RET(NVML_SUCCESS);
 }
 #endif

@@ -135,6 +135,10 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- $_ := set $env "S3_ENDPOINT_URL" $s3.endpointUrl }}
 {{- end }}
 {{- end }}
+{{- $_ := set $env "PROCESS_ATTRIBUTION" ($v.processAttribution.enabled | toString) }}
+{{- if $v.processAttribution.enabled }}
+{{- $_ := set $env "HOST_PROC" (printf "%s/proc" (include "gpuid-agent.hostDir" .)) }}
+{{- end }}
 {{- if $v.spool.enabled }}
 {{- $_ := set $env "SPOOL_DIR" (include "gpuid-agent.spoolDir" .) }}
 {{- $_ := set $env "SPOOL_MAX_BYTES" ($v.spool.maxBytes | int64 | toString) }}

@@ -48,6 +48,8 @@ class PodMeta:
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     workload_kind: str = ""
     workload_name: str = ""
+    # runtime container id (no "containerd://" prefix) → container name, from the status
+    containers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class PodDirectory(Protocol):
@@ -56,6 +58,8 @@ class PodDirectory(Protocol):
     changed: asyncio.Event
 
     def lookup(self, namespace: str, name: str) -> PodMeta | None: ...
+
+    def by_uid(self, uid: str) -> PodMeta | None: ...
 
     @property
     def ready(self) -> bool:
@@ -88,6 +92,25 @@ def _status_message(body: bytes) -> str:
         return str(status.get("reason") or "") + ": " + str(status.get("message") or "")[:200]
     except (orjson.JSONDecodeError, AttributeError):
         return body[:200].decode("utf-8", "replace")
+
+
+_STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
+
+
+def container_ids(status: Any) -> Mapping[str, str]:
+    """Container id → name from a pod's status (`containerd://<id>`, `cri-o://<id>`, …)."""
+    found: dict[str, str] = {}
+    if not isinstance(status, Mapping):
+        return MappingProxyType(found)
+    for key in _STATUS_LISTS:
+        entries = status.get(key)
+        for entry in entries if isinstance(entries, list) else ():
+            if not isinstance(entry, Mapping):
+                continue
+            name, cid = entry.get("name"), entry.get("containerID")
+            if isinstance(name, str) and isinstance(cid, str) and cid:
+                found[cid.rpartition("://")[2].lower()] = name
+    return MappingProxyType(found)
 
 
 def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -194,6 +217,7 @@ class PodCache:
         self._pods: dict[tuple[str, str], PodMeta] = {}
         self._raw_owner: dict[tuple[str, str], Any] = {}
         self._deleted: dict[tuple[str, str], tuple[PodMeta, float]] = {}
+        self._by_uid: dict[str, PodMeta] | None = None  # from the two above; None: rebuild
         self._ready = False
         self.resource_version: str | None = None
         self.last_error: str | None = None
@@ -206,6 +230,17 @@ class PodCache:
         if found is None and (gone := self._deleted.get(key)) is not None:
             found = gone[0] if gone[1] > time.monotonic() else None
         return found
+
+    def by_uid(self, uid: str) -> PodMeta | None:
+        """The pod with this UID (a deleted one while its tombstone lasts); a dict read."""
+        if not uid:
+            return None
+        index = self._by_uid
+        if index is None:
+            index = {m.uid: m for m, _ in self._deleted.values() if m.uid}
+            index.update({m.uid: m for m in self._pods.values() if m.uid})
+            self._by_uid = index
+        return index.get(uid)
 
     @property
     def ready(self) -> bool:
@@ -304,6 +339,7 @@ class PodCache:
         for key in self._pods.keys() - pods.keys():
             self._tombstone(key)
         self._pods = pods
+        self._by_uid = None
         self.resource_version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
         self._metrics.pod_cache_pods.set(len(pods))
         self._ready = True
@@ -343,6 +379,7 @@ class PodCache:
                 key = (meta.namespace, meta.name)
                 if self._pods.get(key) != meta:
                     self._pods[key] = meta
+                    self._by_uid = None
                     self._deleted.pop(key, None)
                     self.changed.set()
         elif kind == "DELETED":
@@ -358,6 +395,7 @@ class PodCache:
     def _tombstone(self, key: tuple[str, str]) -> None:
         now = time.monotonic()
         gone = self._pods.pop(key, None)
+        self._by_uid = None
         self._raw_owner.pop(key, None)
         if gone is not None:
             self._deleted[key] = (gone, now + TOMBSTONE_SECONDS)
@@ -389,4 +427,5 @@ class PodCache:
             MappingProxyType(allowed),
             workload.kind,
             workload.name,
+            container_ids(raw.get("status")),
         )

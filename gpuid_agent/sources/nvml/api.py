@@ -18,6 +18,12 @@ import pynvml
 
 from gpuid_agent.model import PlatformInfo
 from gpuid_agent.runtime.errors import NvmlUnavailableError
+from gpuid_agent.sources.nvml.processes import (
+    ProcessInfo,
+    ProcessSample,
+    instance_id,
+    memory_value,
+)
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 Handle = Any
@@ -65,6 +71,12 @@ class NvmlApi(Protocol):
     def clocks_event_reasons(self, handle: Handle) -> int: ...
     def fabric_info(self, handle: Handle) -> FabricInfo: ...
     def persistence_mode(self, handle: Handle) -> int: ...
+
+    # processes using the GPU (PROCESS_ATTRIBUTION); PIDs are host PIDs. A call with no
+    # samples newer than `since_us` answers [] (NVML itself says NOT_FOUND).
+    def compute_processes(self, handle: Handle) -> list[ProcessInfo]: ...
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]: ...
+    def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]: ...
 
     # XID events; waited on in their own thread, never the NVML reader thread
     def event_set_create(self) -> EventSet: ...
@@ -278,6 +290,37 @@ class PynvmlApi:
     def persistence_mode(self, handle: Handle) -> int:
         return int(pynvml.nvmlDeviceGetPersistenceMode(handle))
 
+    # ---- processes -----------------------------------------------------------------------
+
+    def compute_processes(self, handle: Handle) -> list[ProcessInfo]:
+        return _processes(pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle), mps=False)
+
+    def mps_processes(self, handle: Handle) -> list[ProcessInfo]:
+        return _processes(pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(handle), mps=True)
+
+    def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]:
+        # The newer call where the driver has it (535+); the older one otherwise.
+        try:
+            try:
+                raw = pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, since_us)
+            except pynvml.NVMLError as exc:
+                if getattr(exc, "value", None) not in _OLDER_CALL:
+                    raise
+                raw = pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+        except pynvml.NVMLError as exc:
+            if getattr(exc, "value", None) == pynvml.NVML_ERROR_NOT_FOUND:
+                return []  # nothing ran since `since_us`
+            raise
+        return [
+            ProcessSample(
+                pid=int(s.pid),
+                timestamp_us=int(s.timeStamp),
+                sm_util=int(s.smUtil),
+                mem_util=int(s.memUtil),
+            )
+            for s in raw
+        ]
+
     # ---- XID events ----------------------------------------------------------------------
 
     def event_set_create(self) -> EventSet:
@@ -303,6 +346,28 @@ class PynvmlApi:
         # Two ctypes pointers to the same device do not compare equal; their addresses do.
         # An XID 79 GPU may fail every call, so the key must not need one.
         return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+_OLDER_CALL = frozenset(
+    {
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    }
+)
+
+
+def _processes(raw: Any, *, mps: bool) -> list[ProcessInfo]:
+    return [
+        ProcessInfo(
+            pid=int(p.pid),
+            used_memory=memory_value(p.usedGpuMemory),
+            gpu_instance_id=instance_id(getattr(p, "gpuInstanceId", None)),
+            compute_instance_id=instance_id(getattr(p, "computeInstanceId", None)),
+            mps=mps,
+        )
+        for p in raw
+    ]
 
 
 def _fabric(info: Any, summary: int | None) -> FabricInfo:
