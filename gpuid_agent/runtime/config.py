@@ -228,6 +228,11 @@ class Settings(BaseSettings):
     kube_api: Literal["auto", "off"] = Field(
         "auto", description="Use the Kubernetes API (auto: when config is found)."
     )
+    dra_resource_slices: bool = Field(
+        True,
+        description="Join DRA claim devices to GPUs through the node's ResourceSlices "
+        "(list/watch resource.k8s.io); off: node-local fallback, full GPUs only.",
+    )
 
     # node labels and machine identity
     labels: Literal["on", "off", "dry-run"] = Field("on", description="Node labelling mode.")
