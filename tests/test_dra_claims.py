@@ -142,10 +142,12 @@ def test_parser_only_ever_raises_device_id_error(text: str) -> None:
     try:
         parsed = parse_dra_device(text)
     except DeviceIdError as exc:
-        assert exc.reason in ("empty", "too_long", "bad_characters", "unknown_form", "out_of_range")
-        return
-    assert parsed.name == text and len(text) <= MAX_DEVICE_NAME
-    assert 0 <= parsed.minor <= 99_999
+        reason = exc.reason
+    else:
+        reason = ""
+        assert parsed.name == text and len(text) <= MAX_DEVICE_NAME
+        assert 0 <= parsed.minor <= 99_999
+    assert reason in ("", "empty", "too_long", "bad_characters", "unknown_form", "out_of_range")
 
 
 @settings(max_examples=200, deadline=None)
