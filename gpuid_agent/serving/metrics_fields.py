@@ -243,6 +243,9 @@ JOIN_LABELS: tuple[tuple[str, str], ...] = (
 )
 HOLDERS_METRIC = "gpuid_gpu_holders"
 ALLOCATION_INFO = "gpuid_gpu_allocation_info"
+CLAIM_INFO = "gpuid_gpu_claim_info"
+# DRA labels of gpuid_gpu_claim_info (same in both namings), after the join, MIG and holder ones
+CLAIM_LABELS = ("claim_namespace", "claim_name", "dra_pool", "dra_device", "source")
 _LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -273,7 +276,14 @@ def metric_names(naming: Naming) -> list[str]:
     """Every metric family /gpu/metrics can expose under a naming."""
     info = "gpuid_gpu_info" if naming == "prometheus" else "DCGM_FI_DEV_INFO"
     names = [f.prom_name if naming == "prometheus" else f.dcgm_name for f in FIELDS]
-    return [info, HOLDERS_METRIC, ALLOCATION_INFO, *names, *health_metric_names(naming)]
+    return [
+        info,
+        HOLDERS_METRIC,
+        ALLOCATION_INFO,
+        CLAIM_INFO,
+        *names,
+        *health_metric_names(naming),
+    ]
 
 
 def label_values(inventory: NodeInventory, gpu: GpuIdentity) -> list[str]:
