@@ -68,5 +68,5 @@ def test_without_attribution_neither_rule_nor_setting() -> None:
 
 
 def test_schema_refuses_unknown_dra_keys() -> None:
-    with pytest.raises(Exception, match="(?i)additional|schema|not allowed"):
+    with pytest.raises(Exception, match=r"(?i)additional|schema|not allowed"):
         render({"dra": {"enabeld": True}})
