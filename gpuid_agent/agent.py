@@ -132,8 +132,12 @@ class Agent:
             self.pods.no_api("no Kubernetes API configuration found")
         elif self.pods is not None and await self.pods.open(kube):
             spawn("pods", self.pods.run())
-        if (slices := self.attributor.slices) is not None and slices.open(kube):
-            spawn("resourceslices", slices.run())
+        if (slices := self.attributor.slices) is not None:
+            local = self.environment.resource_slices()
+            if local is not None:  # a simulated node's driver: no API server to ask
+                slices.load(local, "the simulated node's DRA driver")
+            elif slices.open(kube):
+                spawn("resourceslices", slices.run())
         spawn("pod-resources", self.pod_resources.run())
         spawn("attribution", self.collector.follow_attribution())
         if (conditions := self.conditions) is not None and conditions.open(kube):

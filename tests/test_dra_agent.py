@@ -210,7 +210,7 @@ async def test_without_the_api_full_gpus_are_attributed_as_fallback(
         }
         status = orjson.loads(await get(agent, "/status"))
         dra = status["attribution"]["dra"]
-        assert dra["resource_slices"] is None and dra["fallback"] == 3
+        assert not dra["resource_slices"]["available"] and dra["fallback"] == 3
         (unmapped,) = status["attribution"]["unmapped"]
         assert (unmapped["pod"], unmapped["reason"], unmapped["claim"]) == (
             "research/big",

@@ -30,7 +30,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 EXPORTER_NAMES = ("stdout", "http", "postgres", "s3")
 # Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
 # SIMULATE fails at start with the other configuration errors.
-SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig")
+SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "dra")
 
 
 def parse_duration(value: object) -> float:

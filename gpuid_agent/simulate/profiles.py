@@ -104,4 +104,14 @@ def mig_h100(node: str) -> list[SimGpu]:
     return gpus
 
 
-PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100}
+def dra_h100(node: str) -> list[SimGpu]:
+    """Four H100s under NVIDIA's DRA driver, the first split into MIG devices the driver
+    created for claims (see simulate/dra.py for the pods and ResourceSlices)."""
+    gpus = h100x8(node)[:4]
+    gpus[0].mig = mig_h100(node)[0].mig
+    return gpus
+
+
+PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100, "dra": dra_h100}
+# Profiles whose pods get their GPUs through DRA claims instead of device plugins
+DRA_PROFILES = frozenset({"dra"})

@@ -131,6 +131,7 @@ class ResourceSliceCache:
         self._index: dict[SliceKey, SliceDevice] = {}
         self._available = False
         self.version: str | None = None
+        self._origin: str | None = None  # slices not from the API (a simulated node)
         self.resource_version: str | None = None
         self.last_error: str | None = None
 
@@ -149,6 +150,7 @@ class ResourceSliceCache:
         return {
             "available": self._available,
             "version": None if self.version is None else f"resource.k8s.io/{self.version}",
+            **({"from": self._origin} if self._origin else {}),
             "slices": len(self._slices),
             "devices": len(self._index),
             "with_uuid": sum(1 for d in self._index.values() if d.uuid),
@@ -171,6 +173,11 @@ class ResourceSliceCache:
         self.last_error = reason
         self._set_available(False)
         self.board.set(COMPONENT, "unavailable", f"{reason}; DRA GPUs mapped node-locally")
+
+    def load(self, items: list[dict[str, Any]], origin: str) -> None:
+        """Use slices the node itself provides (a simulated node) instead of the API."""
+        self.version, self._origin = None, origin
+        self._apply_list({"items": items, "metadata": {}}, origin)
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
@@ -254,7 +261,7 @@ class ResourceSliceCache:
     async def _relist(self, api: Any) -> None:
         self._apply_list(await self._list(api))
 
-    def _apply_list(self, listed: Mapping[str, Any]) -> None:
+    def _apply_list(self, listed: Mapping[str, Any], origin: str | None = None) -> None:
         self._slices = {}
         for raw in listed.get("items") or []:
             self._store(raw)
@@ -262,7 +269,7 @@ class ResourceSliceCache:
         self.last_error = None
         self._reindex()
         self._set_available(True)
-        self.board.set(COMPONENT, "ok", f"resource.k8s.io/{self.version}")
+        self.board.set(COMPONENT, "ok", origin or f"resource.k8s.io/{self.version}")
 
     async def _watch(self, api: Any) -> None:
         resp = await api.list_resource_slice(

@@ -28,8 +28,8 @@ _EXAMPLES = 5
 def build_attributor(
     settings: Settings, socket_path: str, board: StatusBoard, metrics: AttributionMetrics
 ) -> tuple[Attributor, PodCache | None]:
-    """The kubelet poller and, unless KUBE_API=off, the node's pod cache (and, unless
-    DRA_RESOURCE_SLICES is off, its ResourceSlice cache as `attributor.slices`) behind one
+    """The kubelet poller, unless KUBE_API=off the node's pod cache, and unless
+    DRA_RESOURCE_SLICES is off its ResourceSlice cache (`attributor.slices`), behind one
     Attributor; the pod cache is returned too, for the wiring to open and run."""
     node = settings.effective_node_name()
     source = PodResourcesSource(
@@ -51,8 +51,8 @@ def build_attributor(
             metrics=metrics,
             mode=settings.kube_api,
         )
-        if settings.dra_resource_slices:
-            attributor.slices = ResourceSliceCache(node, board=board, changed=attributor.changed)
+    if settings.dra_resource_slices:  # from the API, or from a simulated node's driver
+        attributor.slices = ResourceSliceCache(node, board=board, changed=attributor.changed)
     return attributor, pods
 
 
