@@ -28,8 +28,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient
-from gpuid_agent.sources.kube.pods import _json, _status_message
+from gpuid_agent.sources.kube.client import KubeClient, request_json, status_message
 from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 
 _log = log.get("resourceslices")
@@ -252,7 +251,7 @@ class ResourceSliceCache:
         return f"spec.nodeName={self.node}"
 
     async def _list(self, api: Any) -> Any:
-        return await _json(
+        return await request_json(
             api.list_resource_slice,
             field_selector=self._selector(),
             request_timeout=self._timeout,
@@ -283,7 +282,7 @@ class ResourceSliceCache:
         )
         try:
             if not 200 <= resp.status < 300:
-                raise KubeApiError(resp.status, _status_message(await resp.read()))
+                raise KubeApiError(resp.status, status_message(await resp.read()))
             while line := await resp.content.readline():
                 if line.strip():
                     self._event(orjson.loads(line))
