@@ -122,6 +122,8 @@ async def test_v1beta1_is_found_and_a_mig_device_appears_mid_run(
         "/apis/resource.k8s.io/v1beta2/resourceslices",
         "/apis/resource.k8s.io/v1beta1/resourceslices",
     ]
+    # GPU 3 is published only through its MIG device: its whole-GPU name falls back, marked
+    assert attributed(cache, "gpu-3") == {"gpu-3": (UUIDS[3], None, "dra-fallback")}
     new_mig = "gpu-0-mig-1g.10gb-19-6"
     # Not published yet: a MIG device cannot be told from its name alone
     assert attributed(cache, new_mig)[new_mig] == ("", None, "dra_mig_unresolved")
