@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache, slice_devices
@@ -258,3 +259,16 @@ def test_hostile_slices_never_raise(obj: Any) -> None:
     for d in devices:
         assert d.driver == GPU and isinstance(d.name, str)
         assert d.uuid is None or (isinstance(d.uuid, str) and 0 < len(d.uuid) <= 128)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(json_values | st.fixed_dictionaries({"type": json_values, "object": json_values})))
+def test_hostile_watch_events_and_lists_are_survived(events: list[Any]) -> None:
+    cache = ResourceSliceCache(NODE)
+    cache._apply_list({"items": events, "metadata": events[0] if events else None})
+    for event in events:
+        try:
+            cache._event(event)
+        except KubeApiError:
+            assert isinstance(event, dict) and event.get("type") == "ERROR"
+    assert all(d.driver == GPU for d in cache._index.values())

@@ -260,11 +260,15 @@ class ResourceSliceCache:
     async def _relist(self, api: Any) -> None:
         self._apply_list(await self._list(api))
 
-    def _apply_list(self, listed: Mapping[str, Any], origin: str | None = None) -> None:
+    def _apply_list(self, listed: Any, origin: str | None = None) -> None:
         self._slices = {}
-        for raw in listed.get("items") or []:
-            self._store(raw)
-        self.resource_version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+        items = listed.get("items") if isinstance(listed, Mapping) else None
+        for raw in items if isinstance(items, list) else []:
+            if isinstance(raw, Mapping):
+                self._store(raw)
+        meta = listed.get("metadata") if isinstance(listed, Mapping) else None
+        rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+        self.resource_version = str(rv or "")
         self.last_error = None
         self._reindex()
         self._set_available(True)
@@ -289,11 +293,19 @@ class ResourceSliceCache:
         finally:
             resp.release()
 
-    def _event(self, event: Mapping[str, Any]) -> None:
-        kind, obj = event.get("type"), event.get("object") or {}
+    def _event(self, event: Any) -> None:
+        """Apply one watch event; a malformed one is skipped (logged), never fatal."""
+        obj = event.get("object") if isinstance(event, Mapping) else None
+        if not isinstance(obj, Mapping):
+            _log.warning("malformed resourceslice watch event skipped")
+            return
+        kind = event.get("type")
         if kind == "ERROR":
-            raise KubeApiError(int(obj.get("code") or 0), str(obj.get("message") or ""))
-        meta = obj.get("metadata") or {}
+            code = obj.get("code")
+            raise KubeApiError(code if isinstance(code, int) else 0, str(obj.get("message"))[:200])
+        meta = obj.get("metadata")
+        if not isinstance(meta, Mapping):
+            meta = {}
         if kind in ("ADDED", "MODIFIED"):
             self._store(obj)
             self._reindex()
@@ -303,7 +315,8 @@ class ResourceSliceCache:
             self.resource_version = str(rv)
 
     def _store(self, raw: Mapping[str, Any]) -> None:
-        name = (raw.get("metadata") or {}).get("name")
+        meta = raw.get("metadata")
+        name = meta.get("name") if isinstance(meta, Mapping) else None
         if not isinstance(name, str):
             return
         generation, devices = slice_devices(raw)
