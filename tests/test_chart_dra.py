@@ -70,3 +70,9 @@ def test_without_attribution_neither_rule_nor_setting() -> None:
 def test_schema_refuses_unknown_dra_keys() -> None:
     with pytest.raises(Exception, match=r"(?i)additional|schema|not allowed"):
         render({"dra": {"enabeld": True}})
+
+
+def test_notes_say_when_the_dra_rule_is_left_out() -> None:
+    assert "no RBAC for DRA ResourceSlices" in rendered(newest_supported(), ()).notes
+    assert "DRA" not in rendered(newest_supported(), ("v1",)).notes
+    assert "DRA" not in rendered(newest_supported(), (), dra={"enabled": False}).notes
