@@ -137,6 +137,12 @@ class Agent:
             self.pods.no_api("no Kubernetes API configuration found")
         elif self.pods is not None and await self.pods.open(kube):
             spawn("pods", self.pods.run())
+        if (slices := self.attributor.slices) is not None:
+            local = self.environment.resource_slices()
+            if local is not None:  # a simulated node's driver: no API server to ask
+                slices.load(local, "the simulated node's DRA driver")
+            elif slices.open(kube):
+                spawn("resourceslices", slices.run())
         spawn("pod-resources", self.pod_resources.run())
         spawn("attribution", self.collector.follow_attribution())
         if (conditions := self.conditions) is not None and conditions.open(kube):
@@ -167,7 +173,9 @@ class Agent:
             return max(0.0, deadline - time.monotonic())
 
         sup = self.supervisor
-        await sup.stop("collector", "pod-resources", "pods", "attribution", "readiness")
+        await sup.stop(
+            "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness"
+        )
         self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
         for name in ("emitter", "health-records", "allocations", "render"):
             if not await sup.wait(name, left()):

@@ -203,6 +203,7 @@ ALLOWED_RULES = {
     ("", "pods"): {"get", "list", "watch"},
     ("apps", "replicasets"): {"get"},
     ("batch", "jobs"): {"get"},
+    ("resource.k8s.io", "resourceslices"): {"get", "list", "watch"},
 }
 
 
@@ -228,7 +229,9 @@ def test_rbac_grants_nothing_beyond_what_the_agent_uses() -> None:
 
 def test_default_rbac_is_exactly_the_documented_list() -> None:
     grants = _grants(rendered("default-values.yaml", newest_supported()))
-    assert grants == {k: v for k, v in ALLOWED_RULES.items() if k != ("", "nodes/status")}
+    # (no resource.k8s.io in this discovery: tests/test_chart_dra.py covers the DRA rule)
+    unused = {("", "nodes/status"), ("resource.k8s.io", "resourceslices")}
+    assert grants == {k: v for k, v in ALLOWED_RULES.items() if k not in unused}
     health = _grants(rendered("own-node-policy-values.yaml", newest_supported()))
     assert health[("", "nodes/status")] == {"patch"}
     dry_run = _grants(rendered("nonroot-values.yaml", newest_supported()))

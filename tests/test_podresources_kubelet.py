@@ -114,7 +114,13 @@ async def test_wire_is_kubelet_v1(kubelet: FakeKubelet) -> None:
         "GetPodResourcesRequest": {"pod_name": 1, "pod_namespace": 2},
         "GetPodResourcesResponse": {"pod_resources": 1},
         "DynamicResource": {"claim_name": 2, "claim_namespace": 3, "claim_resources": 4},
-        "ClaimResource": {"cdi_devices": 1, "driver_name": 2, "pool_name": 3, "device_name": 4},
+        "ClaimResource": {
+            "cdi_devices": 1,
+            "driver_name": 2,
+            "pool_name": 3,
+            "device_name": 4,
+            "share_id": 5,  # optional, Kubernetes 1.35
+        },
         "CDIDevice": {"name": 1},
     }
     for message, fields in numbers.items():

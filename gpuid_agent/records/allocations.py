@@ -239,6 +239,9 @@ class AllocationTrail:
                 start_observed=observed,
                 ended_at=None,
                 end_observed=None,
+                claim_namespace=a.claim.namespace if a.claim else None,
+                claim_name=a.claim.name if a.claim else None,
+                claim_source=a.claim.source if a.claim else None,
             )
         )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
@@ -14,7 +14,8 @@ from gpuid_agent.records.types import AllocationRecord, AnyRecord, HealthRecord,
 
 Record = dict[str, Any]
 _ALLOCATION_FIELDS = tuple(f.name for f in fields(AllocationRecord))
-_ALLOCATION_REQUIRED = _ALLOCATION_FIELDS[:-1]
+_ALLOCATION_REQUIRED = tuple(f.name for f in fields(AllocationRecord) if f.default is MISSING)
+_CLAIM_FIELDS = ("claim_namespace", "claim_name", "claim_source")
 # One C-level getter per type: records are built per GPU per collection, so this path is hot.
 _GETTERS = {
     cls: (cls.__slots__, attrgetter(*cls.__slots__))
@@ -41,6 +42,9 @@ def to_wire(record: AnyRecord) -> Record:
     if isinstance(record, AllocationRecord):
         if record.end_observed is not False:
             del wire["last_seen_at"]  # only an unseen end carries it
+        if record.claim_name is None:
+            for name in _CLAIM_FIELDS:  # not a DRA allocation: the wire is as it always was
+                del wire[name]
         return wire
     if isinstance(record, ReadingRecord):
         wire["mig_devices"] = list(record.mig_devices)

@@ -76,6 +76,10 @@ class AllocationRecord:
     end_observed: bool | None
     # Only an end the agent did not see (it happened while the agent was down) carries it.
     last_seen_at: str | None = None
+    # Only an allocation through a DRA claim carries these (device-plugin records are as before)
+    claim_namespace: str | None = None
+    claim_name: str | None = None
+    claim_source: str | None = None  # "dra" (joined via ResourceSlices) or "dra-fallback"
 
 
 @dataclass(frozen=True, slots=True)

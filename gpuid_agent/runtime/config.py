@@ -30,7 +30,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 EXPORTER_NAMES = ("stdout", "http", "postgres", "s3")
 # Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
 # SIMULATE fails at start with the other configuration errors.
-SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "timesliced")
+SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "timesliced", "dra")
 
 
 def parse_duration(value: object) -> float:
@@ -239,6 +239,11 @@ class Settings(BaseSettings):
     )
     host_proc: str = Field(
         "/proc", description="The host's /proc (mounted read-only) for PROCESS_ATTRIBUTION."
+    )
+    dra_resource_slices: bool = Field(
+        True,
+        description="Join DRA claim devices to GPUs through the node's ResourceSlices "
+        "(list/watch resource.k8s.io); off: node-local fallback, full GPUs only.",
     )
 
     # node labels and machine identity

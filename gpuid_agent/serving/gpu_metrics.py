@@ -7,7 +7,8 @@ Two namings: Prometheus conventions (default) and dcgm-exporter's field and labe
 existing dashboards keep working.
 
 Pods (see docs/attribution.md): `gpuid_gpu_allocation_info` has one series per container
-holding a GPU or MIG device (namespace, pod, container, …), joined to the telemetry on
+holding a GPU or MIG device (namespace, pod, container, …; through a device plugin or a DRA
+claim, whose name `gpuid_gpu_claim_info` adds), joined to the telemetry on
 (uuid, gpu_instance_id); a GPU time-shared by three pods has three. Telemetry stays one series
 per device, so its size does not grow with the pods. dcgm naming keeps dcgm-exporter's layout
 instead, which its dashboards select on: every telemetry series repeated per holder with pod,
@@ -27,6 +28,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.serving.claim_families import build_claim_family
 from gpuid_agent.serving.health_families import build_health_families
 from gpuid_agent.serving.metrics_fields import (
     ALLOCATION_INFO,
@@ -240,6 +242,7 @@ def collect(
         processes=processes,
         options=options or RenderOptions(),
     )
+    families.append(build_claim_family(inventory, attribution, naming))
     if health is not None:
         families.extend(build_health_families(inventory, health, naming))
     return families

@@ -260,6 +260,9 @@ SHARE_METRICS = (
     UNATTRIBUTED_SM,
     UNATTRIBUTED_PROCESSES,
 )
+CLAIM_INFO = "gpuid_gpu_claim_info"
+# DRA labels of gpuid_gpu_claim_info (same in both namings), after the join, MIG and holder ones
+CLAIM_LABELS = ("claim_namespace", "claim_name", "dra_pool", "dra_device", "source")
 _LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -294,6 +297,7 @@ def metric_names(naming: Naming) -> list[str]:
         info,
         HOLDERS_METRIC,
         ALLOCATION_INFO,
+        CLAIM_INFO,
         *names,
         *health_metric_names(naming),
         *SHARE_METRICS,

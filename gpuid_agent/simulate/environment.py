@@ -1,18 +1,21 @@
 """The simulated node behind one call: `node_environment(settings)` gives the host's sources,
 or with SIMULATE a Python NVML and an in-process kubelet serving pods for the simulated GPUs
-(unless POD_RESOURCES_SOCKET points at another kubelet, as the benchmarks do)."""
+(unless POD_RESOURCES_SOCKET points at another kubelet, as the benchmarks do). A DRA profile's
+pods consume claims, and the node offers the ResourceSlice its DRA driver would publish."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from typing import Any
 
 from gpuid_agent.runtime.config import Settings
-from gpuid_agent.simulate.kubelet import FakeKubelet, simulated_pods
+from gpuid_agent.simulate.dra import dra_pods, dra_slices
+from gpuid_agent.simulate.kubelet import Devices, FakeKubelet, KubeletPod, simulated_pods
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.simulate.processes import plan_processes
-from gpuid_agent.simulate.profiles import PROCESS_PROFILES
+from gpuid_agent.simulate.profiles import DRA_PROFILES, PROCESS_PROFILES
 from gpuid_agent.sources.host import HostNode, NodeEnvironment
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.api import NvmlApi
@@ -21,6 +24,7 @@ from gpuid_agent.sources.nvml.api import NvmlApi
 class SimulatedNode:
     def __init__(self, settings: Settings, nvml_api: NvmlApi | None = None) -> None:
         self._node = settings.effective_node_name()
+        self._dra = settings.simulate in DRA_PROFILES
         self.nvml_api: NvmlApi = nvml_api or SimulatedNvml(
             settings.simulate, self._node, settings.fault
         )
@@ -36,7 +40,10 @@ class SimulatedNode:
         self.pod_directory: PodDirectory | None = None
         api = self.nvml_api
         if self._dir is not None and isinstance(api, SimulatedNvml):
-            self._pods = simulated_pods(api.gpus)
+            self._pods: tuple[list[KubeletPod], Devices] = (
+                # DRA: no device plugin, so the kubelet has no GPU to allocate itself
+                (dra_pods(api.gpus, self._node), ()) if self._dra else simulated_pods(api.gpus)
+            )
             if settings.simulate in PROCESS_PROFILES:
                 # its pods run processes: shares on, over a /proc of its own
                 self.host_proc = os.path.join(self._dir, "proc")
@@ -49,6 +56,12 @@ class SimulatedNode:
 
     def machine(self) -> tuple[str, str]:
         return f"sim-{self._node}", "simulated"
+
+    def resource_slices(self) -> list[dict[str, Any]] | None:
+        """The ResourceSlices a DRA profile's driver publishes (no API server here)."""
+        if not self._dra or not isinstance(self.nvml_api, SimulatedNvml):
+            return None
+        return dra_slices(self.nvml_api.gpus, self._node)
 
     async def start(self) -> None:
         if self._dir is None or not isinstance(self.nvml_api, SimulatedNvml):

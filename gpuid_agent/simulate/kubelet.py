@@ -25,9 +25,28 @@ Devices = tuple[tuple[str, tuple[str, ...]], ...]  # (resource name, device ids)
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimDevice:
+    """One device allocated to a DRA claim (share_id: a share of a consumable device)."""
+
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None = None
+    cdi_devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KubeletClaim:
+    namespace: str
+    name: str
+    devices: tuple[ClaimDevice, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class KubeletContainer:
     name: str
     devices: Devices = ()
+    claims: tuple[KubeletClaim, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +61,28 @@ def pod(namespace: str, name: str, container: str, resource: str, *ids: str) -> 
     return KubeletPod(namespace, name, (KubeletContainer(container, ((resource, ids),)),))
 
 
+def claim_pod(namespace: str, name: str, container: str, *claims: KubeletClaim) -> KubeletPod:
+    """A one-container pod consuming DRA `claims`."""
+    return KubeletPod(namespace, name, (KubeletContainer(container, claims=claims),))
+
+
+def _claim_message(claim: KubeletClaim) -> api_pb2.DynamicResource:
+    return api_pb2.DynamicResource(
+        claim_name=claim.name,
+        claim_namespace=claim.namespace,
+        claim_resources=[
+            api_pb2.ClaimResource(
+                cdi_devices=[api_pb2.CDIDevice(name=n) for n in d.cdi_devices],
+                driver_name=d.driver,
+                pool_name=d.pool,
+                device_name=d.device,
+                share_id=d.share_id,
+            )
+            for d in claim.devices
+        ],
+    )
+
+
 def _message(p: KubeletPod) -> api_pb2.PodResources:
     return api_pb2.PodResources(
         name=p.name,
@@ -53,6 +94,7 @@ def _message(p: KubeletPod) -> api_pb2.PodResources:
                     api_pb2.ContainerDevices(resource_name=r, device_ids=list(ids))
                     for r, ids in c.devices
                 ],
+                dynamic_resources=[_claim_message(claim) for claim in c.claims],
             )
             for c in p.containers
         ],

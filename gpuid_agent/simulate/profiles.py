@@ -123,6 +123,22 @@ def timesliced(node: str) -> list[SimGpu]:
     return h100x8(node)
 
 
-PROFILES = {"h100x8": h100x8, "gb200x4": gb200x4, "mig": mig_h100, "timesliced": timesliced}
+def dra_h100(node: str) -> list[SimGpu]:
+    """Four H100s under NVIDIA's DRA driver, the first split into MIG devices the driver
+    created for claims (see simulate/dra.py for the pods and ResourceSlices)."""
+    gpus = h100x8(node)[:4]
+    gpus[0].mig = mig_h100(node)[0].mig
+    return gpus
+
+
+PROFILES = {
+    "h100x8": h100x8,
+    "gb200x4": gb200x4,
+    "mig": mig_h100,
+    "timesliced": timesliced,
+    "dra": dra_h100,
+}
 # profiles whose pods run processes: process attribution is on for them
 PROCESS_PROFILES = frozenset({"timesliced"})
+# profiles whose pods get their GPUs through DRA claims instead of device plugins
+DRA_PROFILES = frozenset({"dra"})

@@ -5,7 +5,7 @@ one it has."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.sources.kube.pods import PodDirectory
@@ -24,6 +24,10 @@ class NodeEnvironment(Protocol):
 
     def machine(self) -> tuple[str, str]:
         """(machine id, where it came from) before the Kubernetes API says better."""
+        ...
+
+    def resource_slices(self) -> list[dict[str, Any]] | None:
+        """DRA ResourceSlices the node itself provides (a simulated node); None: ask the API."""
         ...
 
     async def start(self) -> None: ...
@@ -45,6 +49,9 @@ class HostNode:
         s = self._settings
         found = local_machine_id(s.dmi_product_uuid_path, s.machine_id_path)
         return found if found else (s.effective_node_name(), "node_name")
+
+    def resource_slices(self) -> list[dict[str, Any]] | None:
+        return None
 
     async def start(self) -> None:
         return None

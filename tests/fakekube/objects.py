@@ -132,3 +132,44 @@ def cronjob(
             "jobTemplate": {"spec": {"template": _template({"cron": name})}},
         },
     }
+
+
+def gpu_device(
+    name: str, uuid: str, *, parent_uuid: str | None = None, version: str = "v1"
+) -> dict[str, Any]:
+    """A device of NVIDIA's DRA driver as its ResourceSlices list it: attributes on the device
+    in v1/v1beta2, under `basic` in v1beta1."""
+    attributes: dict[str, Any] = {
+        "type": {"string": "mig" if parent_uuid else "gpu"},
+        "uuid": {"string": uuid},
+        "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "driverVersion": {"version": "580.65.6"},
+    }
+    if parent_uuid is not None:
+        attributes["parentUUID"] = {"string": parent_uuid}
+    body = {"attributes": attributes, "capacity": {"memory": {"value": "80Gi"}}}
+    return {"name": name, "basic": body} if version == "v1beta1" else {"name": name, **body}
+
+
+def resource_slice(
+    name: str,
+    node_name: str,
+    devices: list[dict[str, Any]],
+    *,
+    version: str = "v1",
+    driver: str = "gpu.nvidia.com",
+    pool: str | None = None,
+    generation: int = 1,
+) -> dict[str, Any]:
+    """A node-local ResourceSlice of one driver (pool named after the node, as NVIDIA's)."""
+    return {
+        "apiVersion": f"resource.k8s.io/{version}",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {
+            "driver": driver,
+            "nodeName": node_name,
+            "pool": {"name": pool or node_name, "generation": generation, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }

@@ -37,9 +37,15 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("apps", "v1", "daemonsets", "DaemonSet", namespaced=True),
     Resource("batch", "v1", "jobs", "Job", namespaced=True),
     Resource("batch", "v1", "cronjobs", "CronJob", namespaced=True),
+    # DRA: served in the versions a FakeKube is told to serve (all by default)
+    Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False, False),
+    Resource("resource.k8s.io", "v1beta2", "resourceslices", "ResourceSlice", False, False),
+    Resource("resource.k8s.io", "v1beta1", "resourceslices", "ResourceSlice", False, False),
 )
 BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
-BY_KIND = {r.kind: r for r in RESOURCES}
+BY_KIND = {r.kind: r for r in reversed(RESOURCES)}  # a kind's first (newest) version
+BY_API_VERSION = {(r.api_version, r.kind): r for r in RESOURCES}
+RESOURCE_VERSIONS = ("v1", "v1beta2", "v1beta1")
 
 _NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
 _LABEL_VALUE = re.compile(rf"^({_NAME})?$")

@@ -25,7 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from tests.fakekube import patch as patching
-from tests.fakekube.resources import BY_KIND, BY_PATH, Resource, validate_metadata
+from tests.fakekube.resources import (
+    BY_KIND,
+    BY_PATH,
+    RESOURCE_VERSIONS,
+    Resource,
+    validate_metadata,
+)
 from tests.fakekube.selectors import SelectorError, field_selector, label_selector
 from tests.fakekube.store import Store, Watcher
 
@@ -203,8 +209,11 @@ class FakeKube:
         token: str | None = None,
         history: int = 10_000,
         user: str = "system:serviceaccount:gpuid:gpuid-agent",
+        resource_versions: tuple[str, ...] = RESOURCE_VERSIONS,
     ) -> None:
         self.host = "127.0.0.1"
+        # the resource.k8s.io versions served (older clusters: v1beta1 only; () none at all)
+        self.resource_versions = resource_versions
         self.port = port
         self.token = token
         self.user = user
@@ -477,7 +486,10 @@ class FakeKube:
             raise self._fault_error(fault, record, target)
         if request.path == "/version":
             return web.json_response({"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake"})
-        if target is None:
+        if target is None or (
+            target.resource.group == "resource.k8s.io"
+            and target.resource.version not in self.resource_versions
+        ):
             raise StatusError(404, "the server could not find the requested resource")
         handler = {
             "get": self._get,

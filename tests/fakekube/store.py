@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from tests.fakekube.resources import BY_KIND, Resource
+from tests.fakekube.resources import BY_API_VERSION, BY_KIND, Resource
 
 Key = tuple[str, str, str]  # (plural, namespace, name)
 Predicate = Callable[[dict[str, Any]], bool]
@@ -41,7 +41,11 @@ class Watcher:
     queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
 
     def offer(self, event: Event) -> None:
-        if event.resource != self.resource:
+        # One object, whichever version it is read in (the store keeps one copy per plural)
+        if (event.resource.group, event.resource.plural) != (
+            self.resource.group,
+            self.resource.plural,
+        ):
             return
         ns = (event.new.get("metadata") or {}).get("namespace", "")
         if self.namespace is not None and ns != self.namespace:
@@ -112,7 +116,11 @@ class Store:
             watcher.offer(event)
 
     def create(self, obj: dict[str, Any], resource: Resource | None = None) -> dict[str, Any]:
-        resource = resource or BY_KIND[obj["kind"]]
+        resource = (
+            resource
+            or BY_API_VERSION.get((obj.get("apiVersion", ""), obj["kind"]))
+            or BY_KIND[obj["kind"]]
+        )
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         ns = meta.get("namespace", "") if resource.namespaced else ""

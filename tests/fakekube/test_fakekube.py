@@ -531,3 +531,31 @@ async def test_watch_selector_transitions(kube: FakeKube, api: client.ApiClient)
     back = json.loads(await resp.content.readline())
     resp.release()
     assert [first["type"], left["type"], back["type"]] == ["ADDED", "DELETED", "ADDED"]
+
+
+async def test_resource_slices_in_the_served_versions_only(tmp_path: Path) -> None:
+    async with FakeKube(resource_versions=("v1beta1",)) as kube:
+        path = write_kubeconfig(tmp_path / "kubeconfig", kube.url)
+        made = await create_kube_client(environ={"KUBECONFIG": str(path), "HOME": str(tmp_path)})
+        assert made is not None
+        try:
+            with pytest.raises(ApiException) as gone:
+                await client.ResourceV1Api(made.api).list_resource_slice()
+            assert gone.value.status == 404
+            beta = client.ResourceV1beta1Api(made.api)
+            slice_ = objects.resource_slice(
+                "s1", "n1", [objects.gpu_device("gpu-0", "GPU-1", version="v1beta1")],
+                version="v1beta1",
+            )  # fmt: skip
+            kube.create(slice_)
+            kube.create(objects.resource_slice("s2", "n2", [], version="v1beta1"))
+            resp = await beta.list_resource_slice(
+                field_selector="spec.nodeName=n1", _preload_content=False
+            )
+            listed = json.loads(await resp.read())
+            assert [i["metadata"]["name"] for i in listed["items"]] == ["s1"]
+            device = listed["items"][0]["spec"]["devices"][0]
+            assert device["basic"]["attributes"]["uuid"] == {"string": "GPU-1"}
+            assert listed["apiVersion"] == "resource.k8s.io/v1beta1"
+        finally:
+            await made.close()

@@ -7,10 +7,22 @@ path must stay under 108 bytes, which pytest's tmp_path does not promise) and fi
 
 from gpuid_agent.simulate.kubelet import (
     Behaviour,
+    ClaimDevice,
     FakeKubelet,
+    KubeletClaim,
     KubeletContainer,
     KubeletPod,
+    claim_pod,
     pod,
 )
 
-__all__ = ["Behaviour", "FakeKubelet", "KubeletContainer", "KubeletPod", "pod"]
+__all__ = [
+    "Behaviour",
+    "ClaimDevice",
+    "FakeKubelet",
+    "KubeletClaim",
+    "KubeletContainer",
+    "KubeletPod",
+    "claim_pod",
+    "pod",
+]

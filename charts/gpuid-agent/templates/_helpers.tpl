@@ -52,6 +52,16 @@ serves the kind (Capabilities, filled from API discovery) or the user forces it.
 {{- if and $cfg.enabled (or $cfg.force ($ctx.Capabilities.APIVersions.Has $kind)) }}true{{ end }}
 {{- end }}
 
+{{- /* DRA ResourceSlices are read when attribution is on, DRA is enabled and discovery
+reports the ResourceSlice kind in a version the agent reads (or the user forces it). The kind,
+not the bare group/version: offline rendering lists every group/version Helm knows of. */}}
+{{- define "gpuid-agent.draSlices" -}}
+{{- $cfg := .Values.dra }}
+{{- $apis := .Capabilities.APIVersions }}
+{{- $served := or ($apis.Has "resource.k8s.io/v1/ResourceSlice") ($apis.Has "resource.k8s.io/v1beta2/ResourceSlice") ($apis.Has "resource.k8s.io/v1beta1/ResourceSlice") }}
+{{- if and .Values.podResources.enabled $cfg.enabled (or $cfg.force $served) }}true{{ end }}
+{{- end }}
+
 {{- define "gpuid-agent.ownNodePolicy" -}}
 {{- $kind := "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" }}
 {{- $cfg := .Values.ownNodePolicy }}
@@ -155,6 +165,7 @@ agent closes allocations that ended while it was down and sends no duplicate sta
 {{- if $v.podResources.podLabelAllowlist }}
 {{- $_ := set $env "POD_LABEL_ALLOWLIST" (join "," $v.podResources.podLabelAllowlist) }}
 {{- end }}
+{{- $_ := set $env "DRA_RESOURCE_SLICES" (ternary "true" "false" (eq (include "gpuid-agent.draSlices" .) "true")) }}
 {{- end }}
 {{- $_ := set $env "LABELS" $v.nodeLabels.mode }}
 {{- $_ := set $env "LABEL_PREFIX" (include "gpuid-agent.labelPrefix" .) }}

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -26,7 +27,7 @@ from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from prometheus_client import Counter
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import KubeConfigError
+from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.status import StatusBoard
 
 _log = log.get("kube")
@@ -92,6 +93,30 @@ async def _observed(sent: Awaitable[Any], observer: Observer, verb: str, resourc
         raise
     finally:
         observer(verb, resource, code)
+
+
+async def request_json(
+    call: Callable[..., Any], *args: Any, request_timeout: float, **kwargs: Any
+) -> Any:
+    """One API request through kubernetes_asyncio, answered as parsed JSON (no model
+    deserialization: the callers read a few fields and must survive odd objects)."""
+    resp = await call(*args, _preload_content=False, _request_timeout=request_timeout, **kwargs)
+    try:
+        body = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status < 300:
+        raise KubeApiError(resp.status, status_message(body))
+    return orjson.loads(body)
+
+
+def status_message(body: bytes) -> str:
+    """`reason: message` of a Status error body (or its first bytes when it is none)."""
+    try:
+        status = orjson.loads(body)
+        return str(status.get("reason") or "") + ": " + str(status.get("message") or "")[:200]
+    except (orjson.JSONDecodeError, AttributeError):
+        return body[:200].decode("utf-8", "replace")
 
 
 def request_counter(counter: Counter) -> Observer:

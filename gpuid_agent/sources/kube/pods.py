@@ -31,6 +31,8 @@ from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import request_json as _json
+from gpuid_agent.sources.kube.client import status_message as _status_message
 
 _log = log.get("pods")
 COMPONENT = "kube-pods"
@@ -71,27 +73,6 @@ class PodDirectory(Protocol):
 class Workload:
     kind: str
     name: str
-
-
-async def _json(call: Callable[..., Any], *args: Any, request_timeout: float, **kwargs: Any) -> Any:
-    """One API request through kubernetes_asyncio, answered as parsed JSON (no model
-    deserialization: only metadata is needed)."""
-    resp = await call(*args, _preload_content=False, _request_timeout=request_timeout, **kwargs)
-    try:
-        body = await resp.read()
-    finally:
-        resp.release()
-    if not 200 <= resp.status < 300:
-        raise KubeApiError(resp.status, _status_message(body))
-    return orjson.loads(body)
-
-
-def _status_message(body: bytes) -> str:
-    try:
-        status = orjson.loads(body)
-        return str(status.get("reason") or "") + ": " + str(status.get("message") or "")[:200]
-    except (orjson.JSONDecodeError, AttributeError):
-        return body[:200].decode("utf-8", "replace")
 
 
 _STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +23,7 @@ from gpuid_agent.runtime.errors import PodResourcesError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import backoff_delay
 from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kubelet.claims import ClaimAssignment, claims_from
 from gpuid_agent.sources.kubelet.client import PodResourcesClient
 from gpuid_agent.sources.kubelet.devices import ResourceMatcher
 
@@ -43,11 +44,15 @@ class DeviceAssignment:
 
 @dataclass(frozen=True, slots=True)
 class PodResourcesSnapshot:
-    """GPU devices assigned to containers; `allocatable` is None when the kubelet lacks it."""
+    """GPU devices assigned to containers (device plugins) and consumed through DRA claims;
+    `allocatable` is None when the kubelet lacks it."""
 
     assignments: tuple[DeviceAssignment, ...]
     allocatable: tuple[tuple[str, str], ...] | None = None
     pods: int = 0
+    claims: tuple[ClaimAssignment, ...] = ()
+    # Drivers of DRA devices seen but not GPUs (ignored; not part of equality)
+    ignored_drivers: frozenset[str] = field(default=frozenset(), compare=False)
 
 
 def snapshot_from(
@@ -72,10 +77,13 @@ def snapshot_from(
                 for dev_id in devices.device_ids
             )
         )
+    claims, ignored = claims_from(response)
     return PodResourcesSnapshot(
         assignments=tuple(sorted(set(assignments), key=_assignment_key)),
         allocatable=free,
         pods=len(response.pod_resources),
+        claims=claims,
+        ignored_drivers=ignored,
     )
 
 
@@ -117,6 +125,7 @@ class PodResourcesSource:
         self._allocatable: Any = None
         self._allocatable_at: float | None = None
         self._stale = False
+        self._ignored_drivers: set[str] = set()
         self.changed = asyncio.Event()
         self.polled = asyncio.Event()  # set after the first poll, whatever its outcome
         self.board.set(COMPONENT, "starting")
@@ -145,6 +154,7 @@ class PodResourcesSource:
             "last_error": None if self.failure is None else str(self.failure),
             "pods": None if snapshot is None else snapshot.pods,
             "gpu_devices_assigned": None if snapshot is None else len(snapshot.assignments),
+            "dra_devices_claimed": None if snapshot is None else len(snapshot.claims),
             "allocatable_supported": self.allocatable_supported,
             "gpu_devices_allocatable": None
             if snapshot is None or snapshot.allocatable is None
@@ -161,6 +171,7 @@ class PodResourcesSource:
             self._failed(exc)
             return False
         snapshot = snapshot_from(response, self.resources, allocatable)
+        self._note_ignored(snapshot.ignored_drivers)
         recovered = self.failure is not None
         self.failure = None
         self.last_success = self._clock()
@@ -177,6 +188,14 @@ class PodResourcesSource:
             self.changed.set()
         self.polled.set()
         return True
+
+    def _note_ignored(self, drivers: frozenset[str]) -> None:
+        """Other DRA drivers' devices are not GPUs: said once per driver, at debug."""
+        for driver in sorted(drivers - self._ignored_drivers):
+            if len(self._ignored_drivers) >= 64:
+                break
+            self._ignored_drivers.add(driver)
+            _log.debug("DRA devices of a non-GPU driver ignored", extra={"driver": driver})
 
     async def _read_allocatable(self) -> Any:
         """GetAllocatableResources now and then; kubelets before 1.21 lack it (asked once)."""

@@ -10,6 +10,7 @@ from gpuid_agent.state.attribution.model import (
     UNAVAILABLE,
     Allocation,
     Attribution,
+    Claim,
     Holder,
     Unmapped,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "UNAVAILABLE",
     "Allocation",
     "Attribution",
+    "Claim",
     "DeviceIndex",
     "Holder",
     "Unmapped",

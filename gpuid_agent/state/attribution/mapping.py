@@ -4,6 +4,8 @@ Pure functions over snapshots. A GPU shared through time-slicing or MPS (`GPU-â€
 `/vgpuN`) is held by every container that has one of its replicas; a MIG device is held by
 the containers that have it, and its parent GPU is not itself held. Device ids that fit no
 known form, or name a GPU this node does not have, are collected in `unmapped`, never fatal.
+Devices of DRA claims are joined in `dra.py`; every container consuming a claim holds its
+devices (a claim shared by two pods gives both the GPU).
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from types import MappingProxyType
 from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import (
+    ClaimAssignment,
     DeviceAssignment,
     DeviceIdError,
     DeviceRef,
     PodResourcesSnapshot,
     parse_device_id,
 )
+from gpuid_agent.state.attribution.dra import SliceLookup, resolve_claim
 from gpuid_agent.state.attribution.model import (
     UNAVAILABLE,
     Allocation,
     Attribution,
+    Claim,
     Holder,
     Unmapped,
 )
@@ -103,9 +108,11 @@ def attribute(
     *,
     pods: PodLookup | None = None,
     label_allowlist: Sequence[str] = (),
+    slices: SliceLookup | None = None,
 ) -> Attribution:
     """Map a kubelet snapshot onto the inventory. No snapshot (or a stale one): unavailable.
-    No inventory yet: pending, nothing counted as unmapped."""
+    No inventory yet: pending, nothing counted as unmapped. `slices` joins DRA devices to
+    UUIDs; None when the node's ResourceSlices are not available (node-local fallback)."""
     if snapshot is None:
         return UNAVAILABLE
     if inventory is None:
@@ -114,6 +121,15 @@ def attribute(
     allocations: list[Allocation] = []
     unmapped: list[Unmapped] = []
     holders: dict[tuple[str, str, str], Holder] = {}
+
+    def holder_of(namespace: str, pod: str, container: str) -> Holder:
+        key = (namespace, pod, container)
+        holder = holders.get(key)
+        if holder is None:
+            meta = pods(namespace, pod) if pods is not None else None
+            holder = holders[key] = make_holder(*key, meta, label_allowlist)
+        return holder
+
     for a in snapshot.assignments:
         try:
             ref = parse_device_id(a.device_id)
@@ -121,11 +137,7 @@ def attribute(
         except DeviceIdError as exc:
             unmapped.append(_unmapped(a, exc.reason))
             continue
-        key = (a.namespace, a.pod, a.container)
-        holder = holders.get(key)
-        if holder is None:
-            meta = pods(a.namespace, a.pod) if pods is not None else None
-            holder = holders[key] = make_holder(*key, meta, label_allowlist)
+        holder = holder_of(a.namespace, a.pod, a.container)
         allocations.append(
             Allocation(
                 holder=holder,
@@ -134,6 +146,22 @@ def attribute(
                 gpu_uuid=gpu.uuid,
                 mig_uuid=mig.uuid if mig is not None else None,
                 replica=ref.replica,
+            )
+        )
+    for c in snapshot.claims:
+        try:
+            gpu, mig, source = resolve_claim(c, index, slices)
+        except DeviceIdError as exc:
+            unmapped.append(_unmapped_claim(c, exc.reason))
+            continue
+        allocations.append(
+            Allocation(
+                holder=holder_of(c.namespace, c.pod, c.container),
+                resource_name=c.driver,
+                device_id=c.device_id,
+                gpu_uuid=gpu.uuid,
+                mig_uuid=mig.uuid if mig is not None else None,
+                claim=Claim(c.claim_namespace, c.claim_name, source, c.share_id),
             )
         )
     return Attribution(
@@ -156,6 +184,18 @@ def _by_device(allocations: Iterable[Allocation]) -> dict[str, tuple[Holder, ...
 
 def _unmapped(a: DeviceAssignment, reason: str) -> Unmapped:
     return Unmapped(a.namespace, a.pod, a.container, a.resource_name, a.device_id, reason)
+
+
+def _unmapped_claim(c: ClaimAssignment, reason: str) -> Unmapped:
+    return Unmapped(
+        c.namespace,
+        c.pod,
+        c.container,
+        c.driver,
+        c.device_id,
+        reason,
+        claim=f"{c.claim_namespace}/{c.claim_name}",
+    )
 
 
 def count_allocatable_gpus(

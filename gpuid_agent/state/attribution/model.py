@@ -12,6 +12,9 @@ from types import MappingProxyType
 from typing import Literal
 
 AttributionState = Literal["current", "pending", "unavailable"]
+# How a DRA device was joined to its GPU: through the node's ResourceSlices, or node-locally
+# (minor number in the device name, full GPUs only) when the slices cannot be read.
+ClaimSource = Literal["dra", "dra-fallback"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +31,19 @@ class Holder:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """The DRA claim an allocation came through, and how its device was joined."""
+
+    namespace: str
+    name: str
+    source: ClaimSource = "dra"
+    share_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    """One device id of one container, mapped to a GPU (and MIG device) of this node."""
+    """One device id of one container, mapped to a GPU (and MIG device) of this node.
+    Through a DRA claim, `resource_name` is the driver and `device_id` `<pool>/<device>`."""
 
     holder: Holder
     resource_name: str
@@ -37,6 +51,7 @@ class Allocation:
     gpu_uuid: str
     mig_uuid: str | None = None
     replica: int | None = None
+    claim: Claim | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +64,7 @@ class Unmapped:
     resource_name: str
     device_id: str
     reason: str
+    claim: str = ""  # `<namespace>/<name>` of a DRA claim
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.pods import PodCache, PodDirectory
+from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache
 from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
 from gpuid_agent.state.attribution.mapping import attribute
 from gpuid_agent.state.attribution.model import UNAVAILABLE, Attribution, Unmapped
@@ -27,8 +28,9 @@ _EXAMPLES = 5
 def build_attributor(
     settings: Settings, socket_path: str, board: StatusBoard, metrics: AttributionMetrics
 ) -> tuple[Attributor, PodCache | None]:
-    """The kubelet poller and, unless KUBE_API=off, the node's pod cache, behind one
-    Attributor; the cache is returned too, for the wiring to open and run."""
+    """The kubelet poller, unless KUBE_API=off the node's pod cache, and unless
+    DRA_RESOURCE_SLICES is off its ResourceSlice cache (`attributor.slices`), behind one
+    Attributor; the pod cache is returned too, for the wiring to open and run."""
     node = settings.effective_node_name()
     source = PodResourcesSource(
         PodResourcesClient(socket_path, timeout=settings.pod_resources_timeout),
@@ -49,6 +51,8 @@ def build_attributor(
             metrics=metrics,
             mode=settings.kube_api,
         )
+    if settings.dra_resource_slices:  # from the API, or from a simulated node's driver
+        attributor.slices = ResourceSliceCache(node, board=board, changed=attributor.changed)
     return attributor, pods
 
 
@@ -58,11 +62,13 @@ class Attributor:
         source: PodResourcesSource,
         *,
         pods: PodDirectory | None = None,
+        slices: ResourceSliceCache | None = None,
         label_allowlist: Sequence[str] = (),
         metrics: AttributionMetrics | None = None,
     ) -> None:
         self.source = source
         self.pods = pods
+        self.slices = slices
         self.label_allowlist = tuple(label_allowlist)
         self.current: Attribution = UNAVAILABLE
         self._unmapped: frozenset[Unmapped] = frozenset()
@@ -82,6 +88,7 @@ class Attributor:
             self.source.current(),
             pods=self.pods.lookup if self.pods is not None else None,
             label_allowlist=self.label_allowlist,
+            slices=self.slices.lookup if self.slices and self.slices.available else None,
         )
         self._note(attribution)
         self.current = attribution
@@ -115,6 +122,7 @@ class Attributor:
                             "resource": u.resource_name,
                             "device_id": u.device_id[:80],
                             "reason": u.reason,
+                            **({"claim": u.claim[:160]} if u.claim else {}),
                         }
                         for u in examples
                     ],
@@ -142,8 +150,32 @@ class Attributor:
                     "resource": u.resource_name,
                     "device_id": u.device_id[:80],
                     "reason": u.reason,
+                    **({"claim": u.claim[:160]} if u.claim else {}),
                 }
                 for u in sorted(current.unmapped, key=lambda u: (u.namespace, u.pod))[:20]
             ],
             "pods_ready": self.pods_ready,
+            "dra": self._dra_status(current),
+        }
+
+    def _dra_status(self, current: Attribution) -> dict[str, Any]:
+        """Which container holds which GPU through which claim, and how it was joined."""
+        claimed = [a for a in current.allocations if a.claim is not None]
+        return {
+            "resource_slices": None if self.slices is None else self.slices.status(),
+            "allocations": len(claimed),
+            "fallback": sum(1 for a in claimed if a.claim and a.claim.source == "dra-fallback"),
+            "claims": [
+                {
+                    "pod": f"{a.holder.namespace}/{a.holder.pod}",
+                    "container": a.holder.container,
+                    "claim": f"{a.claim.namespace}/{a.claim.name}",
+                    "device": a.device_id[:80],
+                    "uuid": a.gpu_uuid,
+                    "mig_uuid": a.mig_uuid,
+                    "source": a.claim.source,
+                }
+                for a in claimed[:50]
+                if a.claim is not None
+            ],
         }

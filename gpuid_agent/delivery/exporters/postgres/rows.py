@@ -44,6 +44,9 @@ _ALLOCATION_FIELDS: dict[str, tuple[str, ...]] = {
     "device_id": ("device_id",),
     "workload_kind": ("workload_kind",),
     "workload_name": ("workload_name",),
+    "claim_namespace": ("claim_namespace",),
+    "claim_name": ("claim_name",),
+    "claim_source": ("claim_source",),
 }
 _TIME_FIELDS = ("read_time", "time", "observed_at", "timestamp", "started_at")
 

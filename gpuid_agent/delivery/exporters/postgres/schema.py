@@ -96,6 +96,9 @@ def migration(tables: Tables) -> list[str]:
             device_id VARCHAR(255),
             workload_kind VARCHAR(255),
             workload_name VARCHAR(255),
+            claim_namespace VARCHAR(255),
+            claim_name VARCHAR(255),
+            claim_source VARCHAR(255),
             started_at TIMESTAMP WITH TIME ZONE,
             ended_at TIMESTAMP WITH TIME ZONE,
             start_record_id VARCHAR(255),
@@ -105,6 +108,11 @@ def migration(tables: Tables) -> list[str]:
             updated_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
         )"""
     )
+    # DRA claim columns, added to a table made before they existed
+    statements += [
+        f"ALTER TABLE {a} ADD COLUMN IF NOT EXISTS {c} VARCHAR(255)"
+        for c in ("claim_namespace", "claim_name", "claim_source")
+    ]
     statements += [
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'open')} ON {a} (namespace) WHERE ended_at IS NULL",
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'gpu')} ON {a} (gpu)",
@@ -174,6 +182,9 @@ _DESCRIPTIVE = (
     "device_id",
     "workload_kind",
     "workload_name",
+    "claim_namespace",
+    "claim_name",
+    "claim_source",
 )
 
 

@@ -1,0 +1,97 @@
+"""A simulated node under NVIDIA's DRA driver: pods consuming ResourceClaims (a claim shared by
+two pods, MIG devices created for claims, another driver's NIC claim) as the kubelet reports
+them, and the ResourceSlice the driver would publish for the node, both built from the
+simulated GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpuid_agent.simulate.kubelet import ClaimDevice, KubeletClaim, KubeletPod, claim_pod
+from gpuid_agent.simulate.profiles import SimGpu, SimMig
+from gpuid_agent.sources.kubelet.claims import NVIDIA_GPU_DRIVER
+
+# H100 80GB GPU instance profile ids and a placement start for each
+_MIG_SLOTS = {"3g.40gb": (9, 0), "2g.20gb": (14, 4), "1g.10gb": (19, 6)}
+
+
+def mig_device_name(gpu: SimGpu, mig: SimMig) -> str:
+    profile = mig.name.rsplit(" ", 1)[-1]
+    profile_id, placement = _MIG_SLOTS.get(profile, (0, mig.gpu_instance_id))
+    return f"gpu-{gpu.minor_number}-mig-{profile}-{profile_id}-{placement}"
+
+
+def _claim(namespace: str, name: str, pool: str, *devices: str) -> KubeletClaim:
+    return KubeletClaim(
+        namespace,
+        name,
+        tuple(
+            ClaimDevice(
+                NVIDIA_GPU_DRIVER, pool, d, cdi_devices=(f"k8s.gpu.nvidia.com/claim={name}",)
+            )
+            for d in devices
+        ),
+    )
+
+
+def dra_pods(gpus: Sequence[SimGpu], node: str) -> list[KubeletPod]:
+    """Each MIG device but the last claimed by its own pod; the first whole GPU shared by two
+    pods through one claim; the next two claimed by a training pod; the rest free."""
+    pods: list[KubeletPod] = []
+    for gpu in gpus:
+        for j, mig in enumerate(gpu.mig[:-1]):
+            name = f"mig-job-{j}"
+            claim = _claim("research", f"{name}-mig", node, mig_device_name(gpu, mig))
+            pods.append(claim_pod("research", name, "worker", claim))
+    whole = [g for g in gpus if not g.mig]
+    if whole:
+        shared = _claim("inference", "llm-shared-gpu", node, f"gpu-{whole[0].minor_number}")
+        pods += [claim_pod("inference", f"llm-serve-{r}", "server", shared) for r in range(2)]
+    if len(whole) >= 3:
+        train = _claim("ml", "train-gpus", node, *(f"gpu-{g.minor_number}" for g in whole[1:3]))
+        pods.append(claim_pod("ml", "train-0", "trainer", train))
+    nic = KubeletClaim("net", "rdma-nic", (ClaimDevice("dra.net", node, "eth1"),))
+    pods.append(claim_pod("net", "rdma-probe", "probe", nic))  # not a GPU: ignored
+    return pods
+
+
+def _attributes(uuid: str, product: str, parent: str | None = None) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "type": {"string": "mig" if parent else "gpu"},
+        "uuid": {"string": uuid},
+        "productName": {"string": product},
+    }
+    if parent is not None:
+        attributes["parentUUID"] = {"string": parent}
+    return attributes
+
+
+def dra_slices(gpus: Sequence[SimGpu], node: str) -> list[dict[str, Any]]:
+    """The node's ResourceSlice (resource.k8s.io/v1 layout): every whole GPU and every MIG
+    device with its `uuid` (and `parentUUID`)."""
+    devices: list[dict[str, Any]] = []
+    for gpu in gpus:
+        if not gpu.mig:
+            name = f"gpu-{gpu.minor_number}"
+            devices.append({"name": name, "attributes": _attributes(gpu.uuid, gpu.name)})
+        for mig in gpu.mig:
+            devices.append(
+                {
+                    "name": mig_device_name(gpu, mig),
+                    "attributes": _attributes(mig.uuid, mig.name, gpu.uuid),
+                }
+            )
+    return [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{NVIDIA_GPU_DRIVER}-sim"},
+            "spec": {
+                "driver": NVIDIA_GPU_DRIVER,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": devices,
+            },
+        }
+    ]

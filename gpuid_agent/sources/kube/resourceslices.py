@@ -1,0 +1,343 @@
+"""This node's DRA ResourceSlices: which GPU (UUID) each DRA device of a GPU driver is.
+
+A node-scoped list+watch of `resourceslices?fieldSelector=spec.nodeName=<node>` over the
+agent's one API client, in whichever version of resource.k8s.io the server serves (v1 from
+Kubernetes 1.34, v1beta2 and v1beta1 before; the first that answers is kept). NVIDIA's driver
+publishes each GPU and each MIG device it has created with attributes `uuid` (and
+`parentUUID` for MIG), so a MIG device the driver creates while the agent runs appears as a
+watch event and is joined at once. `lookup` is a dict read: no API call on behalf of a scrape.
+
+Without the API (no configuration, RBAC forbids it, no resource.k8s.io) the cache says so on
+/status and `available` is False: attribution then falls back to the node-local mapping of
+full GPUs and marks it as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from kubernetes_asyncio import client as k8s
+
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import KubeApiError
+from gpuid_agent.runtime.retry import Backoff
+from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import KubeClient, request_json, status_message
+from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
+
+_log = log.get("resourceslices")
+COMPONENT = "kube-resourceslices"
+# Newest first: the first version the server serves is used.
+VERSIONS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("v1", k8s.ResourceV1Api),
+    ("v1beta2", k8s.ResourceV1beta2Api),
+    ("v1beta1", k8s.ResourceV1beta1Api),
+)
+ABSENT_RETRY_SECONDS = 600.0  # no resource.k8s.io: look again now and then (upgrades)
+
+
+@dataclass(frozen=True, slots=True)
+class SliceDevice:
+    """One device of a ResourceSlice and the GPU identity its attributes give."""
+
+    driver: str
+    pool: str
+    name: str
+    uuid: str | None = None
+    parent_uuid: str | None = None
+
+
+SliceKey = tuple[str, str, str]  # (driver, pool, device)
+
+
+def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> str | None:
+    """A string attribute, named bare or qualified with the driver's domain."""
+    value = attributes.get(name)
+    if value is None:
+        value = attributes.get(f"{driver}/{name}")
+    if isinstance(value, Mapping):
+        text = value.get("string")
+        if isinstance(text, str) and 0 < len(text) <= 128:
+            return text
+    return None
+
+
+def slice_devices(obj: Mapping[str, Any]) -> tuple[int, list[SliceDevice]]:
+    """(pool generation, GPU driver devices) of one ResourceSlice in any served version:
+    v1 and v1beta2 list attributes on the device, v1beta1 under `basic`."""
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        return 0, []
+    driver = spec.get("driver")
+    pool = spec.get("pool")
+    if not isinstance(driver, str) or driver not in GPU_DRIVERS or not isinstance(pool, Mapping):
+        return 0, []
+    pool_name = pool.get("name")
+    generation = pool.get("generation")
+    if not isinstance(pool_name, str):
+        return 0, []
+    devices: list[SliceDevice] = []
+    for raw in spec.get("devices") or []:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
+            continue
+        basic = raw.get("basic")
+        body: Mapping[str, Any] = basic if isinstance(basic, Mapping) else raw
+        attributes = body.get("attributes")
+        if not isinstance(attributes, Mapping):
+            attributes = {}
+        devices.append(
+            SliceDevice(
+                driver,
+                pool_name,
+                raw["name"],
+                _attribute(attributes, driver, "uuid"),
+                _attribute(attributes, driver, "parentUUID"),
+            )
+        )
+    return (generation if isinstance(generation, int) else 0), devices
+
+
+class ResourceSliceCache:
+    """The node's GPU DRA devices, kept by a list+watch; `changed` is set on every change."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        board: StatusBoard | None = None,
+        changed: asyncio.Event | None = None,
+        timeout: float = 30.0,
+        watch_timeout: float = 300.0,
+        backoff_max: float = 60.0,
+        versions: Collection[str] | None = None,
+    ) -> None:
+        self.node = node
+        self.board = board or StatusBoard()
+        self.changed = changed or asyncio.Event()
+        self._timeout = timeout
+        self._watch_timeout = watch_timeout
+        self._backoff_max = backoff_max
+        self._versions = tuple(v for v in VERSIONS if versions is None or v[0] in versions)
+        self._client: KubeClient | None = None
+        # slice name → (driver, pool, generation, devices)
+        self._slices: dict[str, tuple[str, str, int, list[SliceDevice]]] = {}
+        self._index: dict[SliceKey, SliceDevice] = {}
+        self._available = False
+        self.version: str | None = None
+        self._origin: str | None = None  # slices not from the API (a simulated node)
+        self.resource_version: str | None = None
+        self.last_error: str | None = None
+
+    # ---- what consumers read ---------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """True while the slices are listed and followed: a device missing from them is not
+        (yet) published by its driver."""
+        return self._available
+
+    def lookup(self, driver: str, pool: str, device: str) -> SliceDevice | None:
+        return self._index.get((driver, pool, device))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "available": self._available,
+            "version": None if self.version is None else f"resource.k8s.io/{self.version}",
+            **({"from": self._origin} if self._origin else {}),
+            "slices": len(self._slices),
+            "devices": len(self._index),
+            "with_uuid": sum(1 for d in self._index.values() if d.uuid),
+            "resource_version": self.resource_version,
+            "last_error": self.last_error,
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def open(self, shared: KubeClient | None) -> bool:
+        """Use the agent's API client (never closed here); False without one."""
+        self._client = shared
+        if shared is None:
+            self.no_api("no Kubernetes API configuration found")
+            return False
+        self.board.set(COMPONENT, "starting")
+        return True
+
+    def no_api(self, reason: str) -> None:
+        self.last_error = reason
+        self._set_available(False)
+        self.board.set(COMPONENT, "unavailable", f"{reason}; DRA GPUs mapped node-locally")
+
+    def load(self, items: list[dict[str, Any]], origin: str) -> None:
+        """Use slices the node itself provides (a simulated node) instead of the API."""
+        self.version, self._origin = None, origin
+        self._apply_list({"items": items, "metadata": {}}, origin)
+
+    async def run(self) -> None:
+        assert self._client is not None, "open() first"
+        backoff = Backoff(base=1.0, cap=self._backoff_max)
+        api: Any = None
+        while True:
+            try:
+                if api is None:
+                    api = await self._discover()
+                    if api is None:
+                        await asyncio.sleep(ABSENT_RETRY_SECONDS)
+                        continue
+                if self.resource_version is None:
+                    await self._relist(api)
+                started = time.monotonic()
+                await self._watch(api)
+                backoff.reset()
+                if time.monotonic() - started < 1.0:
+                    await asyncio.sleep(1.0)
+            except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                if isinstance(exc, KubeApiError) and exc.status == 410:
+                    _log.info("resourceslice watch expired; listing again")
+                    self.resource_version = None
+                    continue
+                if isinstance(exc, KubeApiError) and exc.status == 404:
+                    api, self.resource_version = None, None  # the version went away
+                self._failed(exc)
+                await asyncio.sleep(backoff.next())
+
+    async def _discover(self) -> Any:
+        """The API of the first served version, listed once; None when none is served."""
+        assert self._client is not None
+        for version, factory in self._versions:
+            api = factory(self._client.api)
+            try:
+                listed = await self._list(api)
+            except KubeApiError as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            self.version = version
+            _log.info("resourceslices followed", extra={"version": f"resource.k8s.io/{version}"})
+            self._apply_list(listed)
+            return api
+        self.version = None
+        self.no_api("resource.k8s.io ResourceSlices not served")
+        return None
+
+    def _failed(self, exc: Exception) -> None:
+        status = getattr(exc, "status", 0)
+        why = {
+            401: "unauthorized",
+            403: "forbidden (RBAC: list/watch resourceslices)",
+            404: "resourceslices no longer served",
+        }.get(status, f"{type(exc).__name__}: {exc}")
+        self.last_error = str(exc)[:300]
+        if status in (401, 403, 404) or not self._available:
+            if self.board.set(COMPONENT, "unavailable", f"{why}; DRA GPUs mapped node-locally"):
+                _log.warning("resourceslices unavailable", extra={"error": self.last_error})
+            self._set_available(False)
+        elif self.board.set(COMPONENT, "degraded", f"{why}; serving the cached slices"):
+            _log.warning("resourceslice cache degraded", extra={"error": self.last_error})
+
+    def _set_available(self, available: bool) -> None:
+        if available != self._available:
+            self._available = available
+            self.changed.set()
+
+    # ---- list and watch --------------------------------------------------------------------
+
+    def _selector(self) -> str:
+        return f"spec.nodeName={self.node}"
+
+    async def _list(self, api: Any) -> Any:
+        return await request_json(
+            api.list_resource_slice,
+            field_selector=self._selector(),
+            request_timeout=self._timeout,
+        )
+
+    async def _relist(self, api: Any) -> None:
+        self._apply_list(await self._list(api))
+
+    def _apply_list(self, listed: Any, origin: str | None = None) -> None:
+        self._slices = {}
+        items = listed.get("items") if isinstance(listed, Mapping) else None
+        for raw in items if isinstance(items, list) else []:
+            if isinstance(raw, Mapping):
+                self._store(raw)
+        meta = listed.get("metadata") if isinstance(listed, Mapping) else None
+        rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+        self.resource_version = str(rv or "")
+        self.last_error = None
+        self._reindex()
+        self._set_available(True)
+        self.board.set(COMPONENT, "ok", origin or f"resource.k8s.io/{self.version}")
+
+    async def _watch(self, api: Any) -> None:
+        resp = await api.list_resource_slice(
+            field_selector=self._selector(),
+            watch=True,
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=int(self._watch_timeout),
+            _preload_content=False,
+            _request_timeout=self._watch_timeout + self._timeout,
+        )
+        try:
+            if not 200 <= resp.status < 300:
+                raise KubeApiError(resp.status, status_message(await resp.read()))
+            while line := await resp.content.readline():
+                if line.strip():
+                    self._event(orjson.loads(line))
+        finally:
+            resp.release()
+
+    def _event(self, event: Any) -> None:
+        """Apply one watch event; a malformed one is skipped (logged), never fatal."""
+        obj = event.get("object") if isinstance(event, Mapping) else None
+        if not isinstance(obj, Mapping):
+            _log.warning("malformed resourceslice watch event skipped")
+            return
+        kind = event.get("type")
+        if kind == "ERROR":
+            code = obj.get("code")
+            raise KubeApiError(code if isinstance(code, int) else 0, str(obj.get("message"))[:200])
+        meta = obj.get("metadata")
+        if not isinstance(meta, Mapping):
+            meta = {}
+        if kind in ("ADDED", "MODIFIED"):
+            self._store(obj)
+            self._reindex()
+        elif kind == "DELETED" and self._slices.pop(str(meta.get("name") or ""), None):
+            self._reindex()
+        if rv := meta.get("resourceVersion"):
+            self.resource_version = str(rv)
+
+    def _store(self, raw: Mapping[str, Any]) -> None:
+        meta = raw.get("metadata")
+        name = meta.get("name") if isinstance(meta, Mapping) else None
+        if not isinstance(name, str):
+            return
+        generation, devices = slice_devices(raw)
+        if devices:
+            first = devices[0]
+            self._slices[name] = (first.driver, first.pool, generation, devices)
+        else:
+            self._slices.pop(name, None)
+
+    def _reindex(self) -> None:
+        """Only a pool's newest generation counts: older slices are being replaced."""
+        newest: dict[tuple[str, str], int] = {}
+        for driver, pool, generation, _ in self._slices.values():
+            key = (driver, pool)
+            newest[key] = max(generation, newest.get(key, generation))
+        index = {
+            (d.driver, d.pool, d.name): d
+            for driver, pool, generation, devices in self._slices.values()
+            if generation == newest[(driver, pool)]
+            for d in devices
+        }
+        if index != self._index:
+            self._index = index
+            self.changed.set()

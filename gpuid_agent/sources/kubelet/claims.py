@@ -1,0 +1,128 @@
+"""Devices the kubelet reports as allocated through Dynamic Resource Allocation (DRA) claims.
+
+pod-resources v1 lists, per container, `dynamic_resources`: the claim (name, namespace) and
+per allocated device its driver, pool and device name (and, with consumable capacity, the
+share of the device). Only NVIDIA's GPU driver is kept; other drivers' devices (NICs, compute
+domains, …) are not GPUs.
+
+NVIDIA's DRA driver names its devices
+
+    gpu-<minor>                                          a full GPU (/dev/nvidia<minor>)
+    gpu-<minor>-mig-<profile>-<profileID>-<placement>    a MIG device on that GPU
+
+Its CDI device names carry the claim UID, not a GPU UUID: which GPU a device is comes from the
+node's ResourceSlices (attribute `uuid`), or for a full GPU from the minor number in its name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from gpuid_agent.runtime.errors import DeviceIdError
+
+NVIDIA_GPU_DRIVER = "gpu.nvidia.com"
+GPU_DRIVERS = frozenset({NVIDIA_GPU_DRIVER})
+MAX_DEVICE_NAME = 63  # a ResourceSlice device name is a DNS label
+_MAX_NUMBER = 99_999
+
+_GPU = re.compile(r"gpu-(\d{1,5})")
+# Profiles look like 1g.10gb, 1g.10gb+me, 1c.3g.40gb: no hyphen, so the fields split cleanly.
+_MIG = re.compile(r"gpu-(\d{1,5})-mig-([0-9a-z][0-9a-z.+]{0,30})-(\d{1,5})-(\d{1,5})")
+
+
+@dataclass(frozen=True, slots=True)
+class DraDeviceName:
+    """What an NVIDIA DRA device name says: the GPU's minor number and, for MIG, the slot."""
+
+    name: str
+    kind: Literal["gpu", "mig"]
+    minor: int
+    profile: str | None = None
+    profile_id: int | None = None
+    placement: int | None = None
+
+
+def _number(text: str) -> int:
+    value = int(text)
+    if value > _MAX_NUMBER:
+        raise DeviceIdError("out_of_range", f"number {value} is out of range")
+    return value
+
+
+def parse_dra_device(name: str) -> DraDeviceName:
+    """Parse an NVIDIA DRA device name; DeviceIdError (with a stable reason) otherwise."""
+    if not name:
+        raise DeviceIdError("empty", "empty DRA device name")
+    if len(name) > MAX_DEVICE_NAME:
+        raise DeviceIdError("too_long", f"DRA device name longer than {MAX_DEVICE_NAME}")
+    if not (name.isascii() and name.isprintable()) or " " in name:
+        raise DeviceIdError("bad_characters", "DRA device name has non-printable or non-ASCII")
+    if match := _GPU.fullmatch(name):
+        return DraDeviceName(name, "gpu", _number(match.group(1)))
+    if match := _MIG.fullmatch(name):
+        minor, profile, profile_id, placement = match.groups()
+        return DraDeviceName(
+            name,
+            "mig",
+            _number(minor),
+            profile=profile,
+            profile_id=_number(profile_id),
+            placement=_number(placement),
+        )
+    raise DeviceIdError("unknown_form", "DRA device name fits no NVIDIA GPU or MIG form")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimAssignment:
+    """One device of one DRA claim consumed by one container, as the kubelet reports it."""
+
+    namespace: str
+    pod: str
+    container: str
+    claim_namespace: str
+    claim_name: str
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None = None
+
+    @property
+    def device_id(self) -> str:
+        """`<pool>/<device>` (`/<share>` appended for a shared device): unique per claim."""
+        base = f"{self.pool}/{self.device}"
+        return f"{base}/{self.share_id}" if self.share_id else base
+
+
+def claims_from(response: object) -> tuple[tuple[ClaimAssignment, ...], frozenset[str]]:
+    """GPU devices of every container's DRA claims in a List response, and the other
+    drivers' names seen (ignored)."""
+    found: set[ClaimAssignment] = set()
+    ignored: set[str] = set()
+    for pod in getattr(response, "pod_resources", ()):
+        for container in pod.containers:
+            for claim in container.dynamic_resources:
+                for resource in claim.claim_resources:
+                    if resource.driver_name not in GPU_DRIVERS:
+                        ignored.add(resource.driver_name[:100])
+                        continue
+                    share = resource.share_id if resource.HasField("share_id") else None
+                    found.add(
+                        ClaimAssignment(
+                            pod.namespace,
+                            pod.name,
+                            container.name,
+                            claim.claim_namespace or pod.namespace,
+                            claim.claim_name,
+                            resource.driver_name,
+                            resource.pool_name,
+                            resource.device_name,
+                            share or None,
+                        )
+                    )
+    ordered = sorted(
+        found,
+        key=lambda c: (c.namespace, c.pod, c.container, c.claim_name, c.driver, c.device_id),
+    )
+    return tuple(ordered), frozenset(ignored)

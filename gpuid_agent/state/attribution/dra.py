@@ -1,0 +1,49 @@
+"""DRA claim devices joined to the GPUs and MIG devices of the NVML inventory.
+
+The join goes through the node's ResourceSlices: (driver, pool, device) → attribute `uuid`,
+which is a GPU's or a MIG device's UUID. Without the slices (no API access, resource.k8s.io
+not served) or before the driver has published a device, a full GPU's device name still gives
+its minor number (`gpu-<minor>` → /dev/nvidia<minor>), and the allocation says it came from
+that fallback. A MIG device's name gives only its profile and placement, which NVML does not
+report, so a MIG device waits for the slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpuid_agent.model import GpuIdentity, MigDevice
+from gpuid_agent.runtime.errors import DeviceIdError
+from gpuid_agent.sources.kube.resourceslices import SliceDevice
+from gpuid_agent.sources.kubelet import ClaimAssignment, parse_dra_device
+from gpuid_agent.state.attribution.model import ClaimSource
+
+if TYPE_CHECKING:
+    from gpuid_agent.state.attribution.mapping import DeviceIndex
+
+SliceLookup = Callable[[str, str, str], SliceDevice | None]
+
+
+def resolve_claim(
+    claim: ClaimAssignment, index: DeviceIndex, slices: SliceLookup | None
+) -> tuple[GpuIdentity, MigDevice | None, ClaimSource]:
+    """The GPU (and MIG device) a claimed device is and how that was found; DeviceIdError
+    (with a stable reason) when it cannot be told."""
+    if slices is not None:
+        found = slices(claim.driver, claim.pool, claim.device)
+        if found is not None and found.uuid:
+            key = found.uuid.lower()
+            if (mig := index.mig_by_uuid.get(key)) is not None:
+                return mig[0], mig[1], "dra"
+            if (gpu := index.by_uuid.get(key)) is not None:
+                return gpu, None, "dra"
+            raise DeviceIdError("unknown_gpu", f"slice uuid {found.uuid[:80]} names no GPU here")
+    name = parse_dra_device(claim.device)
+    if name.kind == "mig":
+        why = "not in the node's ResourceSlices" if slices is not None else "needs ResourceSlices"
+        raise DeviceIdError("dra_mig_unresolved", f"MIG device {claim.device}: {why}")
+    gpu = index.by_device.get(f"nvidia{name.minor}")
+    if gpu is None:
+        raise DeviceIdError("unknown_gpu", f"no GPU with minor number {name.minor} here")
+    return gpu, None, "dra-fallback"

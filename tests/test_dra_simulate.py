@@ -1,0 +1,46 @@
+"""`--simulate dra`: the in-process kubelet serves DRA claims and the simulated node's driver
+offers its ResourceSlice, so whole GPUs, a shared claim and MIG devices are attributed."""
+
+from __future__ import annotations
+
+import io
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from tests.conftest import eventually, running_agent, settings
+
+
+async def test_simulated_dra_node_attributes_claims() -> None:
+    out = io.BytesIO()
+    agent = Agent(
+        settings(simulate="dra", pod_resources_interval=0.05), exporters=[StdoutExporter(out)]
+    )
+    async with running_agent(agent), aiohttp.ClientSession() as http:
+        await eventually(lambda: b"gpuid_gpu_claim_info{" in agent.renderer.current().text)
+        base = f"http://127.0.0.1:{agent.bound_port}"
+        async with http.get(f"{base}/gpu/metrics") as resp:
+            text = await resp.text()
+        async with http.get(f"{base}/status") as resp:
+            status = orjson.loads(await resp.read())
+        await eventually(lambda: out.getvalue().count(b'"claim_source":"dra"') >= 6)
+    claims = {
+        (s.labels["pod"], s.labels["gpu"], s.labels["gpu_instance_profile"], s.labels["source"])
+        for f in text_string_to_metric_families(text)
+        if f.name == "gpuid_gpu_claim_info"
+        for s in f.samples
+    }
+    assert claims == {
+        ("mig-job-0", "0", "3g.40gb", "dra"),
+        ("mig-job-1", "0", "2g.20gb", "dra"),
+        ("llm-serve-0", "1", "", "dra"),
+        ("llm-serve-1", "1", "", "dra"),  # one claim, two pods
+        ("train-0", "2", "", "dra"),
+        ("train-0", "3", "", "dra"),
+    }
+    dra = status["attribution"]["dra"]
+    assert dra["resource_slices"]["devices"] == 6 and dra["fallback"] == 0
+    assert status["attribution"]["unmapped"] == []  # the NIC driver's claim is ignored
