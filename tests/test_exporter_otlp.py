@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from gpuid_agent import __version__
-from gpuid_agent.delivery.exporters.otlp import OtlpExporter
+from gpuid_agent.delivery.exporters.otlp import OtlpExporter, attributes
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.serialize import to_wire
@@ -359,3 +360,21 @@ def test_hostile_records_encode_and_decode(fields: dict[str, Any], kind: str) ->
     assert mine.attributes.get("gpuid.record.kind", "") == kind
     if not isinstance(record.get("read_time"), str):
         assert mine.time_unix_nano == 0  # unknown, as OTLP spells it
+
+
+def test_the_attribute_table_in_the_docs_matches_the_code() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "exporters" / "otlp.md").read_text()
+    table = doc.split("<!-- attribute-table -->")[1].split("<!-- /attribute-table -->")[0]
+    documented = {
+        name
+        for row in table.splitlines()[2:]
+        for name in re.findall(r"`([a-z0-9_.]+)`", row.split("|")[1])
+    }
+    in_code = (
+        {"service.name", "service.version"}
+        | set(attributes.RESOURCE.values())
+        | set(attributes.COMMON.values())
+        | {key for table in attributes.BY_KIND.values() for key in table.values()}
+        | set(attributes.WORKLOAD_KINDS.values())
+    )
+    assert documented == in_code
