@@ -195,9 +195,13 @@ class OtlpReceiver:
             content_type=PROTOBUF,
         )
 
+    async def _count(self, request: web.Request) -> web.Response:
+        return web.json_response({"records": len(self.accepted_ids())})
+
     async def start(self, port: int = 0) -> str:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/logs", self._handle)
+        app.router.add_get("/count", self._count)
         # Decompressing here (not in aiohttp) lets tests see the size on the wire and a bad
         # gzip stream answered as a collector does, with 400.
         self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
@@ -230,20 +234,10 @@ class OtlpReceiver:
 
 
 def main(port: int) -> None:
-    """A counting receiver in its own process (for benchmarks): GET /count."""
+    """The receiver in its own process (the benchmarks'); GET /count answers what it took."""
 
     async def run() -> None:
-        receiver = OtlpReceiver()
-        await receiver.start(port)
-
-        async def count(request: web.Request) -> web.Response:
-            return web.json_response({"records": len(receiver.accepted_ids())})
-
-        counter = web.Application()
-        counter.router.add_get("/count", count)
-        runner = web.AppRunner(counter, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port + 1).start()
+        await OtlpReceiver().start(port)
         await asyncio.Event().wait()
 
     asyncio.run(run())
