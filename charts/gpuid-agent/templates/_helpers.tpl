@@ -70,6 +70,7 @@ force skips API discovery (offline rendering), never the version. */}}
 
 {{- define "gpuid-agent.httpTokenDir" -}}/var/run/secrets/gpuid-agent/http{{- end }}
 {{- define "gpuid-agent.httpCaDir" -}}/etc/gpuid-agent/http-ca{{- end }}
+{{- define "gpuid-agent.otlpCaDir" -}}/etc/gpuid-agent/otlp-ca{{- end }}
 {{- define "gpuid-agent.hostDir" -}}/host{{- end }}
 {{- define "gpuid-agent.podResourcesDir" -}}/var/lib/kubelet/pod-resources{{- end }}
 {{- define "gpuid-agent.spoolDir" -}}/var/lib/gpuid-agent/spool{{- end }}
@@ -133,6 +134,23 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- end }}
 {{- if $s3.endpointUrl }}
 {{- $_ := set $env "S3_ENDPOINT_URL" $s3.endpointUrl }}
+{{- end }}
+{{- end }}
+{{- if has "otlp" $ex.types }}
+{{- $otlp := $ex.otlp }}
+{{- if $otlp.endpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_ENDPOINT" $otlp.endpoint }}
+{{- end }}
+{{- if $otlp.logsEndpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT" $otlp.logsEndpoint }}
+{{- end }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_TIMEOUT" ($otlp.timeoutMs | int64 | toString) }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_COMPRESSION" $otlp.compression }}
+{{- if $otlp.resourceAttributes }}
+{{- $_ := set $env "OTEL_RESOURCE_ATTRIBUTES" $otlp.resourceAttributes }}
+{{- end }}
+{{- if $otlp.caBundle.configMapName }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_CERTIFICATE" (printf "%s/%s" (include "gpuid-agent.otlpCaDir" .) $otlp.caBundle.key) }}
 {{- end }}
 {{- end }}
 {{- if $v.spool.enabled }}
