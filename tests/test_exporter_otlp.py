@@ -23,10 +23,12 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord, HealthRecord
+from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import eventually, readings
 from tests.servers.otlp import Answer, OtlpReceiver, flatten
+from tests.servers.tls import make_ca_and_server
 
 Factory = Callable[..., OtlpExporter]
 FAST = BatchPolicy(
@@ -378,3 +380,29 @@ def test_the_attribute_table_in_the_docs_matches_the_code() -> None:
         | set(attributes.WORKLOAD_KINDS.values())
     )
     assert documented == in_code
+
+
+async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
+    ca, server_context = make_ca_and_server(tmp_path)
+    server = OtlpReceiver(ssl_context=server_context)
+    await server.start()
+    settings = load_settings(
+        {
+            "exporter_type": "otlp",
+            "otel_exporter_otlp_endpoint": server.base_url,
+            "otel_exporter_otlp_certificate": str(ca),
+        }
+    )
+    trusting = OtlpExporter.from_settings(settings)
+    default = OtlpExporter(server.url)
+    try:
+        await trusting.export(readings(1))
+        with pytest.raises(ExportError) as info:
+            await default.export(readings(1))
+        assert info.value.error_type in ("tls", "connection")
+        assert info.value.retryable
+    finally:
+        await trusting.close()
+        await default.close()
+        await server.stop()
+    assert len(server.accepted()) == 4

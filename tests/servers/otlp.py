@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import ssl
 import sys
 import time
 import zlib
@@ -136,7 +137,8 @@ def _varint(n: int) -> bytes:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._ssl = ssl_context
         self.requests: list[Request] = []
         self.malformed = 0
         self.plan: deque[Answer] = deque()
@@ -148,7 +150,7 @@ class OtlpReceiver:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self._ssl else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
@@ -206,7 +208,7 @@ class OtlpReceiver:
         # gzip stream answered as a collector does, with 400.
         self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, "127.0.0.1", port)
+        self._site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=self._ssl)
         await self._site.start()
         self.port = self._site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self.url
