@@ -19,11 +19,11 @@ from pydantic import (
     SecretStr,
     ValidationError,
 )
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.fault_spec import parse_faults
-from gpuid_agent.runtime.otel_env import otlp_problems
+from gpuid_agent.runtime.otel_settings import OtelSettings
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -105,8 +105,9 @@ def _label_prefix(value: str) -> str:
     return value
 
 
-class Settings(BaseSettings):
-    """Effective configuration. Field `foo_bar` is read from env `FOO_BAR` and `--foo-bar`."""
+class Settings(OtelSettings):
+    """Effective configuration. Field `foo_bar` is read from env `FOO_BAR` and `--foo-bar`;
+    the OpenTelemetry exporter variables come from `OtelSettings`."""
 
     model_config = SettingsConfigDict(
         case_sensitive=False, extra="ignore", validate_default=True, frozen=True
@@ -201,45 +202,6 @@ class Settings(BaseSettings):
     s3_format: Literal["csv", "ndjson"] = Field("csv", description="Object format.")
     s3_csv_header: bool = Field(True, description="Write a CSV header line.")
     s3_gzip: bool = Field(False, description="Gzip objects.")
-
-    # otlp exporter (OpenTelemetry's own variable names; the LOGS_ ones win over the general)
-    otel_exporter_otlp_endpoint: str = Field(
-        "", description="OTLP/HTTP base URL; logs go to its path + /v1/logs."
-    )
-    otel_exporter_otlp_logs_endpoint: str = Field("", description="OTLP/HTTP logs URL, as is.")
-    otel_exporter_otlp_headers: SecretStr = Field(
-        SecretStr(""), description="Request headers k=v,k2=v2, values URL-encoded (secret)."
-    )
-    otel_exporter_otlp_logs_headers: SecretStr = Field(
-        SecretStr(""), description="Request headers of log exports, added to the general ones."
-    )
-    otel_exporter_otlp_timeout: int = Field(
-        10_000, ge=1, le=600_000, description="One request's timeout in milliseconds."
-    )
-    otel_exporter_otlp_logs_timeout: int | None = Field(
-        None, ge=1, le=600_000, description="Log requests' timeout in milliseconds."
-    )
-    otel_exporter_otlp_compression: Literal["gzip", "none"] = Field(
-        "gzip", description="Request body compression."
-    )
-    otel_exporter_otlp_logs_compression: Literal["", "gzip", "none"] = Field(
-        "", description="Log requests' compression (empty: the general one)."
-    )
-    otel_exporter_otlp_protocol: Literal["http/protobuf"] = Field(
-        "http/protobuf", description="OTLP transport; only http/protobuf is spoken."
-    )
-    otel_exporter_otlp_logs_protocol: Literal["", "http/protobuf"] = Field(
-        "", description="OTLP transport of logs; only http/protobuf is spoken."
-    )
-    otel_exporter_otlp_certificate: str = Field(
-        "", description="PEM file of CAs to trust for the OTLP endpoint."
-    )
-    otel_exporter_otlp_logs_certificate: str = Field(
-        "", description="PEM file of CAs to trust for the logs endpoint."
-    )
-    otel_resource_attributes: str = Field(
-        "", description="Extra resource attributes k=v,k2=v2 on exported logs."
-    )
 
     # durable spool
     spool_dir: str = Field("", description="Directory of the on-disk batch spool.")
@@ -364,16 +326,7 @@ def _cross_checks(settings: Settings) -> dict[str, str]:
             r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", getattr(settings, field)
         ):
             problems[env_name(field)] = "must be an SQL identifier, optionally schema-qualified"
-    problems.update(
-        otlp_problems(
-            "otlp" in settings.exporter_type,
-            endpoint=settings.otel_exporter_otlp_endpoint,
-            logs_endpoint=settings.otel_exporter_otlp_logs_endpoint,
-            headers=settings.otel_exporter_otlp_headers.get_secret_value(),
-            logs_headers=settings.otel_exporter_otlp_logs_headers.get_secret_value(),
-            resource_attributes=settings.otel_resource_attributes,
-        )
-    )
+    problems.update(settings.otel_problems("otlp" in settings.exporter_type))
     if settings.http_endpoint and not re.fullmatch(
         r"https?://[^/\s]+(/\S*)?", settings.http_endpoint
     ):

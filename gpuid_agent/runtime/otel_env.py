@@ -1,4 +1,4 @@
-"""OpenTelemetry's environment conventions: `key=value` lists and the logs endpoint.
+"""OpenTelemetry's environment conventions: `key=value` lists and the signal endpoints.
 
 `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_RESOURCE_ATTRIBUTES` are comma lists of `key=value`
 with percent-encoded values (the W3C Baggage format without properties). Errors name the
@@ -17,8 +17,7 @@ _UNSAFE_IN_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 RESERVED_HEADERS = frozenset(
     {"content-type", "content-encoding", "content-length", "transfer-encoding", "host"}
 )
-LOGS_PATH = "v1/logs"
-_URL = re.compile(r"https?://[^/\s]+(/\S*)?")
+URL = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
 def parse_key_values(text: str) -> dict[str, str]:
@@ -52,48 +51,13 @@ def parse_headers(text: str) -> dict[str, str]:
     return headers
 
 
+def signal_endpoint(base: str, specific: str, signal: str) -> str:
+    """The URL one signal (`logs`, `metrics`) is POSTed to: its own variable as is, else
+    `v1/<signal>` appended to the base endpoint's path (after a `/`)."""
+    if specific:
+        return specific
+    return f"{base.rstrip('/')}/v1/{signal}" if base else ""
+
+
 def logs_endpoint(base: str, logs: str) -> str:
-    """The URL logs are POSTed to: the signal-specific one as is, else `v1/logs` appended to
-    the base endpoint's path (after a `/`)."""
-    if logs:
-        return logs
-    return f"{base.rstrip('/')}/{LOGS_PATH}" if base else ""
-
-
-def otlp_problems(
-    chosen: bool,
-    *,
-    endpoint: str,
-    logs_endpoint: str,
-    headers: str,
-    logs_headers: str,
-    resource_attributes: str,
-) -> dict[str, str]:
-    """Configuration problems of the OTLP settings by variable name; header values are
-    never quoted back (they hold credentials)."""
-    problems: dict[str, str] = {}
-    urls = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": logs_endpoint,
-    }
-    for name, url in urls.items():
-        if url and not _URL.fullmatch(url):
-            problems[name] = "must be an http:// or https:// URL"
-    if chosen and not (endpoint or logs_endpoint):
-        problems["OTEL_EXPORTER_OTLP_ENDPOINT"] = (
-            "required when EXPORTER_TYPE includes otlp "
-            "(or OTEL_EXPORTER_OTLP_LOGS_ENDPOINT, used as is)"
-        )
-    for name, text in (
-        ("OTEL_EXPORTER_OTLP_HEADERS", headers),
-        ("OTEL_EXPORTER_OTLP_LOGS_HEADERS", logs_headers),
-    ):
-        try:
-            parse_headers(text)
-        except ValueError as exc:
-            problems[name] = str(exc)
-    try:
-        parse_key_values(resource_attributes)
-    except ValueError as exc:
-        problems["OTEL_RESOURCE_ATTRIBUTES"] = str(exc)
-    return problems
+    return signal_endpoint(base, logs, "logs")
