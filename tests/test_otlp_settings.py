@@ -108,9 +108,9 @@ def test_from_settings_resolves_the_logs_signal_first() -> None:
     )
     exporter = OtlpExporter.from_settings(settings)
     assert exporter.endpoint == "http://127.0.0.1:4318/v1/logs"
-    assert exporter._headers == {"a": "1", "b": "3"}
-    assert exporter.timeout == 2.5
-    assert exporter.gzip_body
+    assert exporter.http.headers == {"a": "1", "b": "3"}
+    assert exporter.http.timeout == 2.5
+    assert exporter.http.gzip_body
     assert exporter._resource == {"deployment.environment.name": "prod east"}
     logs = load_settings(
         {
@@ -120,7 +120,7 @@ def test_from_settings_resolves_the_logs_signal_first() -> None:
         }
     )
     exporter = OtlpExporter.from_settings(logs)
-    assert (exporter.endpoint, exporter.timeout, exporter._headers) == (
+    assert (exporter.endpoint, exporter.http.timeout, exporter.http.headers) == (
         "http://127.0.0.1:9/x",
         0.1,
         {},

@@ -11,22 +11,17 @@ the batch counts as delivered (re-sending it cannot change the receiver's mind).
 from __future__ import annotations
 
 import asyncio
-import gzip
-import ssl
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import aiohttp
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
 
-from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, Record, excerpt
 from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
+from gpuid_agent.delivery.exporters.otlp.transport import OtlpHttp
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.otel_env import logs_endpoint, parse_headers, parse_key_values
-from gpuid_agent.runtime.retry import parse_retry_after
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -34,9 +29,6 @@ if TYPE_CHECKING:
     from gpuid_agent.runtime.config import Settings
     from gpuid_agent.runtime.metrics import AgentMetrics
 
-PROTOBUF = "application/x-protobuf"
-USER_AGENT = f"gpuid-agent/{__version__}"
-RETRYABLE = frozenset({429, 502, 503, 504})  # the OTLP/HTTP specification's list
 _OFF_LOOP_RECORDS = 500  # encode and compress bigger batches in a worker thread
 
 _log = log.get("otlp")
@@ -55,15 +47,16 @@ class OtlpExporter(Exporter):
         ca_file: str = "",
         resource_attributes: Mapping[str, str] | None = None,
     ) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.gzip_body = compression == "gzip"
-        self.ca_file = ca_file
-        self._headers = dict(headers or {})
+        self.http = OtlpHttp(
+            endpoint, headers=headers, timeout=timeout, compression=compression, ca_file=ca_file
+        )
         self._resource = dict(resource_attributes or {})
-        self._session: aiohttp.ClientSession | None = None
         self._rejected: Counter | None = None
         self.rejected_records = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.http.endpoint
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OtlpExporter:
@@ -87,21 +80,9 @@ class OtlpExporter(Exporter):
     def bind_metrics(self, metrics: AgentMetrics) -> None:
         self._rejected = metrics.export_rejected_records.labels(self.name)
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            ssl_context: ssl.SSLContext | bool = True
-            if self.ca_file:
-                ssl_context = ssl.create_default_context(cafile=self.ca_file)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=ssl_context, limit=4),
-                headers={"User-Agent": USER_AGENT},
-            )
-        return self._session
-
     def body(self, batch: Sequence[Record]) -> bytes:
         """The request body: the encoded batch, gzipped when compression is on."""
-        raw = encode_logs(batch, self._resource).SerializeToString()
-        return gzip.compress(raw, 6) if self.gzip_body else raw
+        return self.http.compress(encode_logs(batch, self._resource).SerializeToString())
 
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
@@ -109,42 +90,10 @@ class OtlpExporter(Exporter):
             body = await asyncio.to_thread(self.body, batch)
         else:
             body = self.body(batch)
-        headers = {
-            **self._headers,
-            "Content-Type": PROTOBUF,
-            # not part of OTLP; lets a gateway in front of the collector drop a re-sent batch
-            "Idempotency-Key": meta.batch_id,
-        }
-        if self.gzip_body:
-            headers["Content-Encoding"] = "gzip"
-        try:
-            async with self._client().post(
-                self.endpoint,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                allow_redirects=False,  # a redirected POST would silently become a GET
-            ) as response:
-                status = response.status
-                answer = await response.read()
-                protobuf = response.content_type == PROTOBUF
-                retry_after = parse_retry_after(response.headers.get("Retry-After"))
-        except aiohttp.ClientSSLError as exc:
-            raise ExportError(f"TLS error: {exc}", error_type="tls") from exc
-        except TimeoutError as exc:
-            raise ExportError(f"no answer within {self.timeout}s", error_type="timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise ExportError(f"connection failed: {exc}", error_type="connection") from exc
-        if 200 <= status < 300:
-            if protobuf:  # an answer in another format carries nothing we read
-                self._partial_success(answer, meta, len(batch))
-            return
-        text = excerpt(answer.decode("utf-8", "replace"), *self._headers.values())
-        message = f"HTTP {status}: {text}" if text else f"HTTP {status}"
-        retryable = status in RETRYABLE or 300 <= status < 400
-        raise ExportError(
-            message, error_type=f"http_{status}", retryable=retryable, retry_after=retry_after
-        )
+        # Idempotency-Key is not part of OTLP; it lets a gateway in front of the collector
+        # drop a re-sent batch.
+        answer = await self.http.post(body, {"Idempotency-Key": meta.batch_id})
+        self._partial_success(answer, meta, len(batch))
 
     def _partial_success(self, answer: bytes, meta: BatchMeta, sent: int) -> None:
         """Count and log what a 2xx answer says the receiver declined."""
@@ -178,6 +127,4 @@ class OtlpExporter(Exporter):
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.close()
