@@ -29,6 +29,10 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
     ExportLogsServiceRequest,
     ExportLogsServiceResponse,
 )
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 PROTOBUF = "application/x-protobuf"
@@ -97,6 +101,43 @@ def flatten(request: ExportLogsServiceRequest) -> list[Log]:
 
 
 @dataclass(frozen=True)
+class Point:
+    """One decoded metric data point with its metric and resource."""
+
+    resource: dict[str, Any]
+    name: str
+    kind: str  # gauge or sum
+    unit: str
+    attributes: dict[str, Any]
+    value: float
+    time_unix_nano: int
+    start_time_unix_nano: int
+    monotonic: bool = False
+
+
+def flatten_metrics(request: ExportMetricsServiceRequest) -> list[Point]:
+    out: list[Point] = []
+    for resource_metrics in request.resource_metrics:
+        resource = attributes(resource_metrics.resource.attributes)
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                kind = metric.WhichOneof("data")
+                if kind not in ("gauge", "sum"):
+                    raise ValueError(f"unexpected metric data {kind}")
+                data = getattr(metric, kind)
+                for p in data.data_points:
+                    value = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
+                    out.append(
+                        Point(
+                            resource, metric.name, kind, metric.unit, attributes(p.attributes),
+                            value, p.time_unix_nano, p.start_time_unix_nano,
+                            kind == "sum" and data.is_monotonic,
+                        )
+                    )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
 class Answer:
     """A planned answer: a status, and for 2xx the records to declare rejected."""
 
@@ -141,6 +182,7 @@ class OtlpReceiver:
         self._ssl = ssl_context
         self.requests: list[Request] = []
         self.malformed = 0
+        self.metric_pushes: list[list[Point]] = []
         self.plan: deque[Answer] = deque()
         self.decide: Callable[[Request], Answer | None] | None = None
         self.changed = asyncio.Event()
@@ -165,6 +207,14 @@ class OtlpReceiver:
             raw = wire
             if request.headers.get("Content-Encoding", "").lower() == "gzip":
                 raw = gzip.decompress(wire)
+            if request.path == "/v1/metrics":
+                metrics = ExportMetricsServiceRequest()
+                metrics.ParseFromString(raw)
+                self.metric_pushes.append(flatten_metrics(metrics))
+                self.changed.set()
+                return web.Response(
+                    body=ExportMetricsServiceResponse().SerializeToString(), content_type=PROTOBUF
+                )
             message = ExportLogsServiceRequest()
             message.ParseFromString(raw)
             logs = flatten(message)
@@ -203,6 +253,7 @@ class OtlpReceiver:
     async def start(self, port: int = 0) -> str:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/logs", self._handle)
+        app.router.add_post("/v1/metrics", self._handle)
         app.router.add_get("/count", self._count)
         # Decompressing here (not in aiohttp) lets tests see the size on the wire and a bad
         # gzip stream answered as a collector does, with 400.
