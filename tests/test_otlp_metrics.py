@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -115,3 +117,22 @@ async def test_a_down_receiver_is_counted_and_pushes_resume() -> None:
             http.get(f"http://127.0.0.1:{agent.bound_port}/healthz") as resp,
         ):
             assert resp.status == 200
+
+
+def test_opentelemetry_is_loaded_only_when_asked_for() -> None:
+    script = """
+import sys
+from gpuid_agent.agent import Agent
+from gpuid_agent.runtime.config import load_settings
+extra = {"otel_metrics_exporter": "otlp", "otel_exporter_otlp_endpoint": "http://127.0.0.1:1"}
+Agent(load_settings({"simulate": "gb200x4", **(extra if sys.argv[1] == "push" else {})}))
+print("opentelemetry" in sys.modules)
+"""
+    seen = {}
+    for mode in ("default", "push"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        seen[mode] = done.stdout.strip()
+    assert seen == {"default": "False", "push": "True"}
