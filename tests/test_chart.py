@@ -469,6 +469,7 @@ BAD_VALUES = [
     ({"exporters": {"types": ["postgres"]}}, "exporters/postgres/host"),
     ({"exporters": {"types": ["s3"]}}, "exporters/s3/bucket"),
     ({"exporters": {"types": ["otlp"]}}, "exporters/otlp"),
+    ({"exporters": {"otlp": {"metrics": {"enabled": True}}}}, "exporters/otlp"),
     ({"exporters": {"otlp": {"headers": "api-key=abc"}}}, "exporters/otlp/headers"),
     ({"settings": {"OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc"}}, "settings"),
     ({"exporters": {"postgres": {"password": "hunter2"}}}, "exporters/postgres/password"),

@@ -20,6 +20,7 @@ from gpuid_agent.runtime.otel_env import (
     parse_headers,
     parse_key_values,
 )
+from tests.chart_render import agent_container, render
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 keys = st.text(TOKEN_CHARS, min_size=1, max_size=20)
@@ -186,3 +187,31 @@ def test_cli_exits_2_and_redacts_headers(subprocess_env: dict[str, str]) -> None
     assert bad.returncode == 2
     assert "OTEL_EXPORTER_OTLP_HEADERS" in bad.stderr
     assert "t0k3n-value" not in bad.stdout + bad.stderr
+
+
+def test_chart_pushes_metrics_without_the_log_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = render(
+        {
+            "exporters": {
+                "otlp": {
+                    "endpoint": "http://otel-collector.observability:4318",
+                    "metrics": {"enabled": True, "intervalMs": 15000},
+                    "headers": {"secretName": "otlp-auth"},
+                }
+            }
+        }
+    )
+    env = {e["name"]: e for e in agent_container(result.one("DaemonSet"))["env"]}
+    assert env["EXPORTER_TYPE"]["value"] == "stdout"
+    assert env["OTEL_METRICS_EXPORTER"]["value"] == "otlp"
+    assert env["OTEL_METRIC_EXPORT_INTERVAL"]["value"] == "15000"
+    assert env["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "otlp-auth",
+        "key": "headers",
+    }
+    for name, entry in env.items():
+        if "value" in entry:
+            monkeypatch.setenv(name, entry["value"])
+    settings = load_settings({"node_name": "n"})
+    assert settings.otel_metrics_exporter == "otlp"
+    assert settings.otel_exporter_otlp_endpoint == "http://otel-collector.observability:4318"

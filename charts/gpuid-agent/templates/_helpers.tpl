@@ -71,6 +71,10 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- define "gpuid-agent.httpTokenDir" -}}/var/run/secrets/gpuid-agent/http{{- end }}
 {{- define "gpuid-agent.httpCaDir" -}}/etc/gpuid-agent/http-ca{{- end }}
 {{- define "gpuid-agent.otlpCaDir" -}}/etc/gpuid-agent/otlp-ca{{- end }}
+{{- /* The OTLP settings apply to the log exporter and to the metrics push alike. */}}
+{{- define "gpuid-agent.otlpUsed" -}}
+{{- if or (has "otlp" .Values.exporters.types) .Values.exporters.otlp.metrics.enabled }}true{{ end }}
+{{- end }}
 {{- define "gpuid-agent.hostDir" -}}/host{{- end }}
 {{- define "gpuid-agent.podResourcesDir" -}}/var/lib/kubelet/pod-resources{{- end }}
 {{- define "gpuid-agent.spoolDir" -}}/var/lib/gpuid-agent/spool{{- end }}
@@ -136,8 +140,8 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- $_ := set $env "S3_ENDPOINT_URL" $s3.endpointUrl }}
 {{- end }}
 {{- end }}
-{{- if has "otlp" $ex.types }}
 {{- $otlp := $ex.otlp }}
+{{- if or (has "otlp" $ex.types) $otlp.metrics.enabled }}
 {{- if $otlp.endpoint }}
 {{- $_ := set $env "OTEL_EXPORTER_OTLP_ENDPOINT" $otlp.endpoint }}
 {{- end }}
@@ -151,6 +155,13 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- end }}
 {{- if $otlp.caBundle.configMapName }}
 {{- $_ := set $env "OTEL_EXPORTER_OTLP_CERTIFICATE" (printf "%s/%s" (include "gpuid-agent.otlpCaDir" .) $otlp.caBundle.key) }}
+{{- end }}
+{{- if $otlp.metrics.enabled }}
+{{- $_ := set $env "OTEL_METRICS_EXPORTER" "otlp" }}
+{{- $_ := set $env "OTEL_METRIC_EXPORT_INTERVAL" ($otlp.metrics.intervalMs | int64 | toString) }}
+{{- if $otlp.metrics.endpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" $otlp.metrics.endpoint }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if $v.spool.enabled }}
