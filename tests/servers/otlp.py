@@ -178,8 +178,11 @@ def _varint(n: int) -> bytes:
 
 
 class OtlpReceiver:
-    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None, *, keep: bool = True) -> None:
+        """`keep=False` (a benchmark's long run) keeps only the ids of accepted records."""
         self._ssl = ssl_context
+        self._keep = keep
+        self._accepted: set[str] = set()
         self.requests: list[Request] = []
         self.malformed = 0
         self.metric_pushes: list[list[Point]] = []
@@ -210,7 +213,8 @@ class OtlpReceiver:
             if request.path == "/v1/metrics":
                 metrics = ExportMetricsServiceRequest()
                 metrics.ParseFromString(raw)
-                self.metric_pushes.append(flatten_metrics(metrics))
+                points = flatten_metrics(metrics)
+                self.metric_pushes.append(points if self._keep else [])
                 self.changed.set()
                 return web.Response(
                     body=ExportMetricsServiceResponse().SerializeToString(), content_type=PROTOBUF
@@ -230,6 +234,10 @@ class OtlpReceiver:
             self.plan.popleft() if self.plan else Answer()
         )
         entry.status = answer.status
+        if 200 <= answer.status < 300:
+            self._accepted.update(entry.record_ids)
+        if not self._keep:
+            entry.logs = []
         self.changed.set()
         if answer.status >= 300:
             body = status_body(14 if answer.status == 503 else 3, answer.message or "no")
@@ -248,7 +256,7 @@ class OtlpReceiver:
         )
 
     async def _count(self, request: web.Request) -> web.Response:
-        return web.json_response({"records": len(self.accepted_ids())})
+        return web.json_response({"records": len(self._accepted)})
 
     async def start(self, port: int = 0) -> str:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -273,7 +281,7 @@ class OtlpReceiver:
         return [log for r in self.requests if 200 <= r.status < 300 for log in r.logs]
 
     def accepted_ids(self) -> set[str]:
-        return {i for r in self.requests if 200 <= r.status < 300 for i in r.record_ids}
+        return set(self._accepted)
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -290,7 +298,7 @@ def main(port: int) -> None:
     """The receiver in its own process (the benchmarks'); GET /count answers what it took."""
 
     async def run() -> None:
-        await OtlpReceiver().start(port)
+        await OtlpReceiver(keep=False).start(port)
         await asyncio.Event().wait()
 
     asyncio.run(run())
