@@ -3,7 +3,10 @@ all of it delivered once it is up, nothing lost, attribution readable as attribu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import aiohttp
 
 from gpuid_agent.agent import Agent
 from tests.conftest import eventually, free_port, settings
@@ -27,6 +30,7 @@ async def test_spooled_records_reach_the_receiver_once_it_is_up(tmp_path: Path) 
             exporter_type="otlp",
             otel_exporter_otlp_endpoint=f"http://127.0.0.1:{port}",
             otel_resource_attributes="deployment.environment.name=test",
+            otel_exporter_otlp_headers="x-api-key=k3y%2Fsecret-value",
             spool_dir=str(tmp_path / "spool"),
             pod_resources_interval=0.05,
             heartbeat_interval=0.2,
@@ -45,6 +49,15 @@ async def test_spooled_records_reach_the_receiver_once_it_is_up(tmp_path: Path) 
         assert len(spooled) >= 3  # on disk, not only in memory
         await receiver.start(port)
         await eventually(lambda: worker.store.batches == 0 and receiver.accepted(), within=20)
+        async with aiohttp.ClientSession() as http:
+            for path in ("/status", "/metrics"):
+                async with http.get(f"http://127.0.0.1:{agent.bound_port}{path}") as response:
+                    shown = await response.text()
+                    assert response.status == 200
+                    assert "secret-value" not in shown, path
+                    if path == "/status":
+                        config = json.loads(shown)["config"]
+                        assert config["otel_exporter_otlp_headers"] == "<redacted>"
     finally:
         await agent.stop()
         await receiver.stop()
@@ -52,6 +65,7 @@ async def test_spooled_records_reach_the_receiver_once_it_is_up(tmp_path: Path) 
     assert emitted > 0
     assert _sample_sum(agent, "gpuid_dropped_records_total") == 0
     assert len(receiver.accepted_ids()) == emitted  # every record, once each by id
+    assert {r.headers["x-api-key"] for r in receiver.requests} == {"k3y/secret-value"}
     assert not list((tmp_path / "spool" / "otlp").glob("*.ndjson"))
     logs = receiver.accepted()
     assert {log.resource["host.id"] for log in logs} == {agent.machine}
