@@ -406,3 +406,11 @@ async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
         await default.close()
         await server.stop()
     assert len(server.accepted()) == 4
+
+
+async def test_health_reports_an_unreadable_ca_bundle(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    exporter = OtlpExporter("https://127.0.0.1:1/v1/logs", ca_file=str(ca))
+    assert (await exporter.health()).reason == f"CA bundle {ca} unreadable"
+    make_ca_and_server(tmp_path)  # writes ca.pem
+    assert (await exporter.health()).ok

@@ -11,13 +11,20 @@ the batch counts as delivered (re-sending it cannot change the receiver's mind).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, Record, excerpt
+from gpuid_agent.delivery.exporters.base import (
+    BatchMeta,
+    Exporter,
+    ExporterHealth,
+    Record,
+    excerpt,
+)
 from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
 from gpuid_agent.delivery.exporters.otlp.transport import OtlpHttp
 from gpuid_agent.runtime import log
@@ -125,6 +132,14 @@ class OtlpExporter(Exporter):
                 "reason": excerpt(response.partial_success.error_message),
             },
         )
+
+    async def health(self) -> ExporterHealth:
+        # No probe request: an OTLP receiver answers POSTs only, and an empty export would be
+        # counted by it. Deliveries are this exporter's health; here only the CA file.
+        ca_file = self.http.ca_file
+        if ca_file and not await asyncio.to_thread(os.access, ca_file, os.R_OK):
+            return ExporterHealth(ok=False, reason=f"CA bundle {ca_file} unreadable")
+        return ExporterHealth(ok=True)
 
     async def close(self) -> None:
         await self.http.close()
