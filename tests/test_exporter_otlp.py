@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
-import re
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -13,12 +11,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from gpuid_agent import __version__
-from gpuid_agent.delivery.exporters.otlp import OtlpExporter, attributes
+from gpuid_agent.delivery.exporters.otlp import OtlpExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.serialize import to_wire
@@ -27,7 +22,7 @@ from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import eventually, readings
-from tests.servers.otlp import Answer, OtlpReceiver, flatten
+from tests.servers.otlp import Answer, OtlpReceiver
 from tests.servers.tls import make_ca_and_server
 
 Factory = Callable[..., OtlpExporter]
@@ -320,66 +315,6 @@ async def test_header_values_echoed_by_the_receiver_are_redacted(
     assert otlp_receiver.requests[0].headers["X-Api-Key"] == "k3y-v4lue"  # it was sent
     assert "k3y-v4lue" not in str(info.value)
     assert "token <redacted> unknown" in str(info.value)
-
-
-# ---- hostile record content -------------------------------------------------------------------
-
-hostile_text = st.text(st.characters(codec=None), max_size=30)  # includes lone surrogates
-hostile_value = st.one_of(
-    st.none(),
-    hostile_text,
-    st.integers(),  # beyond int64 too
-    st.floats(),
-    st.booleans(),
-    st.lists(st.one_of(hostile_text, st.integers(-5, 5), st.none()), max_size=3),
-)
-
-
-@given(
-    fields=st.dictionaries(
-        st.sampled_from([*sorted(readings(1)[0]), "pod", "namespace", "mystery"]),
-        hostile_value,
-        max_size=8,
-    ),
-    kind=st.sampled_from(["reading", "allocation", "health", "future-kind", ""]),
-)
-def test_hostile_records_encode_and_decode(fields: dict[str, Any], kind: str) -> None:
-    record = {**readings(1)[0], **fields, "kind": kind}
-    other = readings(1, node="n2")[1]
-    body = OtlpExporter("http://127.0.0.1:1/v1/logs").body([record, other])
-    request = ExportLogsServiceRequest()
-    request.ParseFromString(gzip.decompress(body))
-    mine, decoded = flatten(request)  # the receiver's decoding: unique keys, valid UTF-8
-    if (
-        record.get("node") == "n2"
-        and record.get("cluster") == "c1"
-        and record.get("machine") == "m1"
-    ):
-        assert len(request.resource_logs) == 1  # same node: one resource
-    assert decoded.attributes["gpuid.record.id"] == other["record_id"]
-    assert decoded.resource["k8s.node.name"] == "n2"
-    assert set(json.loads(mine.body)) == set(record)  # the body keeps every field
-    assert mine.attributes.get("gpuid.record.kind", "") == kind
-    if not isinstance(record.get("read_time"), str):
-        assert mine.time_unix_nano == 0  # unknown, as OTLP spells it
-
-
-def test_the_attribute_table_in_the_docs_matches_the_code() -> None:
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "exporters" / "otlp.md").read_text()
-    table = doc.split("<!-- attribute-table -->")[1].split("<!-- /attribute-table -->")[0]
-    documented = {
-        name
-        for row in table.splitlines()[2:]
-        for name in re.findall(r"`([a-z0-9_.]+)`", row.split("|")[1])
-    }
-    in_code = (
-        {"service.name", "service.version"}
-        | set(attributes.RESOURCE.values())
-        | set(attributes.COMMON.values())
-        | {key for table in attributes.BY_KIND.values() for key in table.values()}
-        | set(attributes.WORKLOAD_KINDS.values())
-    )
-    assert documented == in_code
 
 
 async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
