@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from tests.conftest import eventually, free_port, running_agent, settings
-from tests.servers.otlp import OtlpReceiver, Point
+from tests.servers.otlp import Answer, OtlpReceiver, Point
 
 Series = tuple[str, frozenset[tuple[str, str]]]
 
@@ -136,3 +136,25 @@ print("opentelemetry" in sys.modules)
         assert done.returncode == 0, done.stderr
         seen[mode] = done.stdout.strip()
     assert seen == {"default": "False", "push": "True"}
+
+
+async def test_retry_after_pauses_pushes_and_partial_success_is_counted(
+    otlp_receiver: OtlpReceiver,
+) -> None:
+    otlp_receiver.metrics_plan.extend(
+        [Answer(503, headers={"Retry-After": "1"}), Answer(rejected=5, message="too many")]
+    )
+    agent = agent_for(otlp_receiver.base_url)
+    async with running_agent(agent):
+        await eventually(lambda: len(otlp_receiver.metric_requests) >= 3)
+        registry = agent.metrics.registry
+        rejected = registry.get_sample_value(
+            "gpuid_export_rejected_records_total", {"exporter": "otlp_metrics"}
+        )
+        failed = registry.get_sample_value(
+            "gpuid_export_failure_total", {"exporter": "otlp_metrics", "error_type": "http_503"}
+        )
+    (first, status), (second, _) = otlp_receiver.metric_requests[:2]
+    assert status == 503
+    assert second - first >= 0.95  # not every 100 ms: the receiver asked for a second
+    assert (failed, rejected) == (1, 5)

@@ -185,7 +185,9 @@ class OtlpReceiver:
         self._accepted: set[str] = set()
         self.requests: list[Request] = []
         self.malformed = 0
-        self.metric_pushes: list[list[Point]] = []
+        self.metric_pushes: list[list[Point]] = []  # accepted pushes
+        self.metric_requests: list[tuple[float, int]] = []  # (when, status) of every push
+        self.metrics_plan: deque[Answer] = deque()
         self.plan: deque[Answer] = deque()
         self.decide: Callable[[Request], Answer | None] | None = None
         self.changed = asyncio.Event()
@@ -213,12 +215,7 @@ class OtlpReceiver:
             if request.path == "/v1/metrics":
                 metrics = ExportMetricsServiceRequest()
                 metrics.ParseFromString(raw)
-                points = flatten_metrics(metrics)
-                self.metric_pushes.append(points if self._keep else [])
-                self.changed.set()
-                return web.Response(
-                    body=ExportMetricsServiceResponse().SerializeToString(), content_type=PROTOBUF
-                )
+                return self._metrics_answer(flatten_metrics(metrics))
             message = ExportLogsServiceRequest()
             message.ParseFromString(raw)
             logs = flatten(message)
@@ -254,6 +251,22 @@ class OtlpReceiver:
             headers=answer.headers,
             content_type=PROTOBUF,
         )
+
+    def _metrics_answer(self, points: list[Point]) -> web.Response:
+        answer = self.metrics_plan.popleft() if self.metrics_plan else Answer()
+        self.metric_requests.append((time.monotonic(), answer.status))
+        self.changed.set()
+        if answer.status >= 300:
+            body = status_body(14 if answer.status == 503 else 3, answer.message or "no")
+            return web.Response(
+                status=answer.status, body=body, headers=answer.headers, content_type=PROTOBUF
+            )
+        self.metric_pushes.append(points if self._keep else [])
+        response = ExportMetricsServiceResponse()
+        if answer.rejected or answer.message:
+            response.partial_success.rejected_data_points = answer.rejected
+            response.partial_success.error_message = answer.message
+        return web.Response(body=response.SerializeToString(), content_type=PROTOBUF)
 
     async def _count(self, request: web.Request) -> web.Response:
         return web.json_response({"records": len(self._accepted)})
