@@ -12,6 +12,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -40,6 +41,9 @@ from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
+
+if TYPE_CHECKING:
+    from gpuid_agent.serving.otlp_push import OtlpMetricsPush
 
 _log = log.get("agent")
 
@@ -75,6 +79,11 @@ class Agent:
         )  # fmt: skip
         self.health, self.xid = self.collector.health, self.collector.health.xid
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
+        self.otlp_metrics: OtlpMetricsPush | None = None
+        if s.otel_metrics_exporter == "otlp":  # opentelemetry-proto is loaded only then
+            from gpuid_agent.serving.otlp_push import OtlpMetricsPush
+
+            self.otlp_metrics = OtlpMetricsPush(s, self.renderer.families, self.metrics)
         self.emitter = ReadingEmitter(
             source=self.source, heartbeat_interval=s.heartbeat_interval,
             publish=self.pipeline.publish,
@@ -122,6 +131,8 @@ class Agent:
             spawn(f"exporter:{worker.name}", worker.run())
             spawn(f"probe:{worker.name}", worker.probe_loop())
         spawn("render", self.renderer.run(bus.subscribe("render")))
+        if self.otlp_metrics is not None:
+            spawn("otlp-metrics", self.otlp_metrics.run(bus.subscribe("otlp-metrics")))
         spawn("emitter", self.emitter.run(bus.subscribe("readings")))
         spawn("allocations", self.trail.run(bus.subscribe("allocations")))
         spawn("health-records", self.health_records.run(bus.subscribe("health", events=True)))
@@ -177,7 +188,7 @@ class Agent:
             "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness"
         )
         self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
-        for name in ("emitter", "health-records", "allocations", "render"):
+        for name in ("emitter", "health-records", "allocations", "render", "otlp-metrics"):
             if not await sup.wait(name, left()):
                 await sup.stop(name)
         for worker in self.pipeline.workers:
@@ -189,6 +200,8 @@ class Agent:
         await sup.stop()
         for worker in self.pipeline.workers:
             await worker.exporter.close()
+        if self.otlp_metrics is not None:
+            await self.otlp_metrics.close()
         await self.health.close(min(left(), 2.0))
         await self.collector.nvml.close(max(0.5, min(left(), 2.0)))
         await self.pod_resources.client.close()

@@ -40,6 +40,7 @@ SETTING_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HTTP exporter", ("http_",)),
     ("PostgreSQL exporter", ("postgres_",)),
     ("S3 exporter", ("s3_",)),
+    ("OTLP exporter", ("otel_",)),
     ("Spool", ("spool_",)),
     ("Pod attribution", ("pod_resources_", "gpu_resource_", "pod_label_", "kube_")),
     ("Node labels and machine identity", ("labels", "label_", "dmi_", "machine_")),

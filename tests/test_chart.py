@@ -452,7 +452,7 @@ def test_rendered_env_is_accepted_by_the_agent(
 
 
 def test_credentials_reach_the_pod_only_through_secret_references() -> None:
-    secretish = re.compile(r"PASSWORD|SECRET|TOKEN(?!_FILE)|ACCESS_KEY")
+    secretish = re.compile(r"PASSWORD|SECRET|TOKEN(?!_FILE)|ACCESS_KEY|HEADERS")
     covered: set[str] = set()
     for name, result in renderable_cases():
         daemonset = result.one("DaemonSet")
@@ -472,6 +472,7 @@ def test_credentials_reach_the_pod_only_through_secret_references() -> None:
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
         "HTTP_AUTH_TOKEN_FILE",
+        "OTEL_EXPORTER_OTLP_HEADERS",
     }
 
 
@@ -483,6 +484,10 @@ BAD_VALUES = [
     ({"exporters": {"types": ["http"]}}, "exporters/http/endpoint"),
     ({"exporters": {"types": ["postgres"]}}, "exporters/postgres/host"),
     ({"exporters": {"types": ["s3"]}}, "exporters/s3/bucket"),
+    ({"exporters": {"types": ["otlp"]}}, "exporters/otlp"),
+    ({"exporters": {"otlp": {"metrics": {"enabled": True}}}}, "exporters/otlp"),
+    ({"exporters": {"otlp": {"headers": "api-key=abc"}}}, "exporters/otlp/headers"),
+    ({"settings": {"OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc"}}, "settings"),
     ({"exporters": {"postgres": {"password": "hunter2"}}}, "exporters/postgres/password"),
     ({"exporters": {"http": {"authToken": "abc"}}}, "exporters/http/authToken"),
     ({"settings": {"POSTGRES_PASSWORD": "hunter2"}}, "settings"),
@@ -645,5 +650,6 @@ def test_ci_values_cover_every_exporter_and_option() -> None:
         covered |= {f"exporter:{t}" for t in values.get("exporters", {}).get("types", [])}
         flat = yaml.safe_dump(values)
         covered |= {o for o in _CI_OPTIONS if re.search(rf"^\s*{o}:", flat, re.M)}
-    expected = {f"exporter:{e}" for e in ("stdout", "http", "postgres", "s3")} | set(_CI_OPTIONS)
+    expected = {f"exporter:{e}" for e in ("stdout", "http", "postgres", "s3", "otlp")}
+    expected |= set(_CI_OPTIONS)
     assert expected <= covered, expected - covered

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent import __version__
-from gpuid_agent.delivery.exporters.http import EXCERPT_CHARS, HttpExporter, excerpt
+from gpuid_agent.delivery.exporters.base import EXCERPT_CHARS, excerpt
+from gpuid_agent.delivery.exporters.http import HttpExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError

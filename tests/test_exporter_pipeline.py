@@ -223,15 +223,16 @@ from gpuid_agent.delivery.factory import make_exporters
 from gpuid_agent.runtime.config import Settings
 chosen = sys.argv[1]
 extra = {"http": {"http_endpoint": "http://127.0.0.1:1/x"}, "postgres": {"postgres_host": "h"},
-         "s3": {"s3_bucket": "b"}, "stdout": {}}[chosen]
+         "s3": {"s3_bucket": "b"}, "stdout": {},
+         "otlp": {"otel_exporter_otlp_endpoint": "http://127.0.0.1:1"}}[chosen]
 make_exporters(Settings(exporter_type=chosen, **extra))
-print(sorted({m.split(".")[0] for m in sys.modules} & {"asyncpg", "aiobotocore", "botocore"}))
+print(sorted({m.split(".")[0] for m in sys.modules} & {"asyncpg", "aiobotocore", "botocore", "opentelemetry"}))
 """
     procs = {
         chosen: subprocess.Popen(
             [sys.executable, "-c", script, chosen], stdout=subprocess.PIPE, text=True
         )
-        for chosen in ("stdout", "http", "postgres", "s3")
+        for chosen in ("stdout", "http", "postgres", "s3", "otlp")
     }
     seen = {}
     for chosen, proc in procs.items():
@@ -243,6 +244,7 @@ print(sorted({m.split(".")[0] for m in sys.modules} & {"asyncpg", "aiobotocore",
         "http": [],
         "postgres": ["asyncpg"],
         "s3": ["aiobotocore", "botocore"],
+        "otlp": ["opentelemetry"],
     }
 
 

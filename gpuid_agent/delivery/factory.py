@@ -12,7 +12,7 @@ from gpuid_agent.runtime.metrics import AgentMetrics
 
 def make_exporters(settings: Settings) -> list[Exporter]:
     """The configured exporters; each module is imported only when chosen, so an unused
-    exporter's client library (asyncpg, aiobotocore) is never loaded."""
+    exporter's client library (asyncpg, aiobotocore, opentelemetry-proto) is never loaded."""
     exporters: list[Exporter] = []
     for name in settings.exporter_type:
         if name == "stdout":
@@ -31,6 +31,10 @@ def make_exporters(settings: Settings) -> list[Exporter]:
             from gpuid_agent.delivery.exporters.s3 import S3Exporter
 
             exporters.append(S3Exporter.from_settings(settings))
+        elif name == "otlp":
+            from gpuid_agent.delivery.exporters.otlp import OtlpExporter
+
+            exporters.append(OtlpExporter.from_settings(settings))
         else:  # pragma: no cover - config validation admits only the names above
             raise ValueError(f"unknown exporter {name}")
     return exporters

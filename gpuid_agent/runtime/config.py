@@ -19,15 +19,16 @@ from pydantic import (
     SecretStr,
     ValidationError,
 )
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.fault_spec import parse_faults
+from gpuid_agent.runtime.otel_settings import OtelSettings
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
-EXPORTER_NAMES = ("stdout", "http", "postgres", "s3")
+EXPORTER_NAMES = ("stdout", "http", "postgres", "s3", "otlp")
 # Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
 # SIMULATE fails at start with the other configuration errors.
 SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "timesliced", "dra")
@@ -104,8 +105,9 @@ def _label_prefix(value: str) -> str:
     return value
 
 
-class Settings(BaseSettings):
-    """Effective configuration. Field `foo_bar` is read from env `FOO_BAR` and `--foo-bar`."""
+class Settings(OtelSettings):
+    """Effective configuration. Field `foo_bar` is read from env `FOO_BAR` and `--foo-bar`;
+    the OpenTelemetry exporter variables come from `OtelSettings`."""
 
     model_config = SettingsConfigDict(
         case_sensitive=False, extra="ignore", validate_default=True, frozen=True
@@ -139,7 +141,7 @@ class Settings(BaseSettings):
     # pipeline
     exporter_type: Annotated[CommaList, AfterValidator(_exporters)] = Field(
         default_factory=lambda: ["stdout"],
-        description="Exporters, one name or a comma list: stdout, http, postgres, s3.",
+        description="Exporters, one name or a comma list: stdout, http, postgres, s3, otlp.",
     )
     batch_size: int = Field(10, ge=1, le=100_000, description="Records per batch.")
     flush_interval: PositiveDuration = Field(
@@ -341,6 +343,7 @@ def _cross_checks(settings: Settings) -> dict[str, str]:
             r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", getattr(settings, field)
         ):
             problems[env_name(field)] = "must be an SQL identifier, optionally schema-qualified"
+    problems.update(settings.otel_problems("otlp" in settings.exporter_type))
     if settings.http_endpoint and not re.fullmatch(
         r"https?://[^/\s]+(/\S*)?", settings.http_endpoint
     ):

@@ -82,6 +82,12 @@ class AgentMetrics:
             ["exporter"],
             registry=r,
         )
+        self.export_rejected_records = Counter(
+            "gpuid_export_rejected_records_total",
+            "Records of delivered batches that the sink declined to keep (OTLP partial success).",
+            ["exporter"],
+            registry=r,
+        )
         self.spool_bytes = Gauge(
             "gpuid_spool_bytes",
             "Bytes of batch files in the durable spool.",

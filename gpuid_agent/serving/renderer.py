@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client.metrics_core import Metric
+
 from gpuid_agent.runtime import log
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.state.bus import Subscription
@@ -108,10 +110,9 @@ class MetricsRenderer:
                 # the last good body stays served; the next snapshot tries again
                 _log.exception("rendering /gpu/metrics failed", extra={"seq": snapshot.seq})
 
-    def _render(self, snapshot: NodeSnapshot, fmt: gpu_metrics.Format) -> bytes:
-        if self.observer is not None:
-            self.observer(fmt, snapshot.seq)
-        families = gpu_metrics.collect(
+    def families(self, snapshot: NodeSnapshot) -> list[Metric]:
+        """The /gpu/metrics families of one snapshot (the OTLP metrics push reads them too)."""
+        return gpu_metrics.collect(
             snapshot.inventory,
             snapshot.samples,
             self._naming,
@@ -120,4 +121,8 @@ class MetricsRenderer:
             options=self._options,
             processes=snapshot.processes,
         )
-        return gpu_metrics.expose(families, fmt)
+
+    def _render(self, snapshot: NodeSnapshot, fmt: gpu_metrics.Format) -> bytes:
+        if self.observer is not None:
+            self.observer(fmt, snapshot.seq)
+        return gpu_metrics.expose(self.families(snapshot), fmt)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from tests.servers.otlp import OtlpReceiver
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
 from tests.servers.s3 import CREDENTIALS, MotoServer
@@ -65,6 +66,16 @@ def s3_bucket(moto_server: MotoServer) -> str:
 @pytest.fixture
 async def receiver() -> AsyncIterator[Receiver]:
     server = Receiver()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def otlp_receiver() -> AsyncIterator[OtlpReceiver]:
+    server = OtlpReceiver()
     await server.start()
     try:
         yield server

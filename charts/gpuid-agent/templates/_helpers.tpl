@@ -80,6 +80,11 @@ force skips API discovery (offline rendering), never the version. */}}
 
 {{- define "gpuid-agent.httpTokenDir" -}}/var/run/secrets/gpuid-agent/http{{- end }}
 {{- define "gpuid-agent.httpCaDir" -}}/etc/gpuid-agent/http-ca{{- end }}
+{{- define "gpuid-agent.otlpCaDir" -}}/etc/gpuid-agent/otlp-ca{{- end }}
+{{- /* The OTLP settings apply to the log exporter and to the metrics push alike. */}}
+{{- define "gpuid-agent.otlpUsed" -}}
+{{- if or (has "otlp" .Values.exporters.types) .Values.exporters.otlp.metrics.enabled }}true{{ end }}
+{{- end }}
 {{- define "gpuid-agent.hostDir" -}}/host{{- end }}
 {{- define "gpuid-agent.podResourcesDir" -}}/var/lib/kubelet/pod-resources{{- end }}
 {{- define "gpuid-agent.spoolDir" -}}/var/lib/gpuid-agent/spool{{- end }}
@@ -148,6 +153,30 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- $_ := set $env "PROCESS_ATTRIBUTION" ($v.processAttribution.enabled | toString) }}
 {{- if $v.processAttribution.enabled }}
 {{- $_ := set $env "HOST_PROC" (printf "%s/proc" (include "gpuid-agent.hostDir" .)) }}
+{{- end }}
+{{- $otlp := $ex.otlp }}
+{{- if or (has "otlp" $ex.types) $otlp.metrics.enabled }}
+{{- if $otlp.endpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_ENDPOINT" $otlp.endpoint }}
+{{- end }}
+{{- if $otlp.logsEndpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT" $otlp.logsEndpoint }}
+{{- end }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_TIMEOUT" ($otlp.timeoutMs | int64 | toString) }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_COMPRESSION" $otlp.compression }}
+{{- if $otlp.resourceAttributes }}
+{{- $_ := set $env "OTEL_RESOURCE_ATTRIBUTES" $otlp.resourceAttributes }}
+{{- end }}
+{{- if $otlp.caBundle.configMapName }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_CERTIFICATE" (printf "%s/%s" (include "gpuid-agent.otlpCaDir" .) $otlp.caBundle.key) }}
+{{- end }}
+{{- if $otlp.metrics.enabled }}
+{{- $_ := set $env "OTEL_METRICS_EXPORTER" "otlp" }}
+{{- $_ := set $env "OTEL_METRIC_EXPORT_INTERVAL" ($otlp.metrics.intervalMs | int64 | toString) }}
+{{- if $otlp.metrics.endpoint }}
+{{- $_ := set $env "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" $otlp.metrics.endpoint }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if $v.spool.enabled }}
 {{- $_ := set $env "SPOOL_DIR" (include "gpuid-agent.spoolDir" .) }}

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
+if TYPE_CHECKING:
+    from gpuid_agent.runtime.metrics import AgentMetrics
+
 Record = dict[str, Any]
+EXCERPT_CHARS = 200
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 ExporterState = Literal["ok", "degraded", "unavailable"]
 
 
@@ -60,6 +66,11 @@ class Exporter(ABC):
     async def health(self) -> ExporterHealth:
         return ExporterHealth(ok=True)
 
+    def bind_metrics(self, metrics: AgentMetrics) -> None:
+        """Called by the worker that drives this exporter, for counts only the sink's answers
+        tell (OTLP partial success); most exporters have none."""
+        return None
+
     async def close(self) -> None:
         return None
 
@@ -77,3 +88,12 @@ def gpuid_shape(record: Record) -> Record:
     if record.get("kind") == "reading" and "time" not in record and "read_time" in record:
         return {**record, "time": record["read_time"]}
     return record
+
+
+def excerpt(text: str, *secrets: str) -> str:
+    """A short single-line piece of a response body, safe to log."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    text = _CONTROL.sub(" ", text).strip()
+    return text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
-import re
 import ssl
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from gpuid_agent.delivery.exporters.base import (
     Exporter,
     ExporterHealth,
     Record,
+    excerpt,
     gpuid_shape,
     json_bytes,
 )
@@ -34,18 +34,7 @@ if TYPE_CHECKING:
     from gpuid_agent.runtime.config import Settings
 
 USER_AGENT = f"gpuid-agent/{__version__}"
-EXCERPT_CHARS = 200
 _GZIP_IN_THREAD = 256 * 1024  # compress bigger bodies off the event loop
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
-
-
-def excerpt(text: str, *secrets: str) -> str:
-    """A short single-line piece of a response body, safe to log."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "<redacted>")
-    text = _CONTROL.sub(" ", text).strip()
-    return text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
 
 
 class TokenSource:

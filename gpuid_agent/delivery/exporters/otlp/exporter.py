@@ -1,0 +1,145 @@
+"""POST each batch as an OTLP `ExportLogsServiceRequest` (protobuf, gzip) over OTLP/HTTP.
+
+Answers follow the OTLP/HTTP specification: 429, 502, 503 and 504 (and connection errors,
+timeouts, redirects to fix the endpoint for) are retried by the worker's one backoff, which
+honours Retry-After; every other 4xx and 5xx means the receiver will never take this request,
+so the batch is set aside. A 2xx may carry a partial success: the records the receiver
+declined are counted (`gpuid_export_rejected_records_total`) and logged once per batch, and
+the batch counts as delivered (re-sending it cannot change the receiver's mind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+
+from gpuid_agent.delivery.exporters.base import (
+    BatchMeta,
+    Exporter,
+    ExporterHealth,
+    Record,
+    excerpt,
+)
+from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
+from gpuid_agent.delivery.exporters.otlp.transport import OtlpHttp
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.otel_env import logs_endpoint, parse_headers, parse_key_values
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from gpuid_agent.runtime.config import Settings
+    from gpuid_agent.runtime.metrics import AgentMetrics
+
+_OFF_LOOP_RECORDS = 500  # encode and compress bigger batches in a worker thread
+
+_log = log.get("otlp")
+
+
+class OtlpExporter(Exporter):
+    name = "otlp"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 10.0,
+        compression: str = "gzip",
+        ca_file: str = "",
+        resource_attributes: Mapping[str, str] | None = None,
+    ) -> None:
+        self.http = OtlpHttp(
+            endpoint, headers=headers, timeout=timeout, compression=compression, ca_file=ca_file
+        )
+        self._resource = dict(resource_attributes or {})
+        self._rejected: Counter | None = None
+        self.rejected_records = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.http.endpoint
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> OtlpExporter:
+        """The logs signal's settings win over the general ones; headers of both apply."""
+        headers = parse_headers(settings.otel_exporter_otlp_headers.get_secret_value())
+        headers.update(parse_headers(settings.otel_exporter_otlp_logs_headers.get_secret_value()))
+        timeout_ms = settings.otel_exporter_otlp_logs_timeout or settings.otel_exporter_otlp_timeout
+        return cls(
+            logs_endpoint(
+                settings.otel_exporter_otlp_endpoint, settings.otel_exporter_otlp_logs_endpoint
+            ),
+            headers=headers,
+            timeout=timeout_ms / 1000.0,
+            compression=settings.otel_exporter_otlp_logs_compression
+            or settings.otel_exporter_otlp_compression,
+            ca_file=settings.otel_exporter_otlp_logs_certificate
+            or settings.otel_exporter_otlp_certificate,
+            resource_attributes=parse_key_values(settings.otel_resource_attributes),
+        )
+
+    def bind_metrics(self, metrics: AgentMetrics) -> None:
+        self._rejected = metrics.export_rejected_records.labels(self.name)
+
+    def body(self, batch: Sequence[Record]) -> bytes:
+        """The request body: the encoded batch, gzipped when compression is on."""
+        return self.http.compress(encode_logs(batch, self._resource).SerializeToString())
+
+    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+        meta = meta or BatchMeta.new()
+        if len(batch) > _OFF_LOOP_RECORDS:
+            body = await asyncio.to_thread(self.body, batch)
+        else:
+            body = self.body(batch)
+        # Idempotency-Key is not part of OTLP; it lets a gateway in front of the collector
+        # drop a re-sent batch.
+        answer = await self.http.post(body, {"Idempotency-Key": meta.batch_id})
+        self._partial_success(answer, meta, len(batch))
+
+    def _partial_success(self, answer: bytes, meta: BatchMeta, sent: int) -> None:
+        """Count and log what a 2xx answer says the receiver declined."""
+        if not answer:
+            return
+        response = ExportLogsServiceResponse()
+        try:
+            response.ParseFromString(answer)
+        except DecodeError:
+            _log.warning(
+                "OTLP answer unreadable; batch counted as delivered",
+                extra={"exporter": self.name, "batch_id": meta.batch_id, "bytes": len(answer)},
+            )
+            return
+        rejected = response.partial_success.rejected_log_records
+        if rejected <= 0 and not response.partial_success.error_message:
+            return
+        if rejected > 0:
+            self.rejected_records += rejected
+            if self._rejected is not None:
+                self._rejected.inc(rejected)
+        _log.warning(
+            "OTLP receiver declined records of a batch" if rejected > 0 else "OTLP receiver warns",
+            extra={
+                "exporter": self.name,
+                "batch_id": meta.batch_id,
+                "rejected": rejected,
+                "records": sent,
+                "reason": excerpt(response.partial_success.error_message),
+            },
+        )
+
+    async def health(self) -> ExporterHealth:
+        # No probe request: an OTLP receiver answers POSTs only, and an empty export would be
+        # counted by it. Deliveries are this exporter's health; here only the CA file.
+        ca_file = self.http.ca_file
+        if ca_file and not await asyncio.to_thread(os.access, ca_file, os.R_OK):
+            return ExporterHealth(ok=False, reason=f"CA bundle {ca_file} unreadable")
+        return ExporterHealth(ok=True)
+
+    async def close(self) -> None:
+        await self.http.close()

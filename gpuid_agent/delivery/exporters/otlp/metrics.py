@@ -1,0 +1,70 @@
+"""Prometheus metric families (what /gpu/metrics serves) to an OTLP `ExportMetricsServiceRequest`.
+
+Names, labels and values stay those of /gpu/metrics, so one query works on either path:
+gauges and info families become OTLP Gauges, counters cumulative monotonic Sums (named
+without `_total`, which OpenTelemetry's Prometheus exporters add back); labels become data
+point attributes (empty ones left out, as Prometheus treats them as absent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
+from prometheus_client.metrics_core import Metric
+
+from gpuid_agent import __version__
+from gpuid_agent.delivery.exporters.otlp.attributes import SCOPE_NAME
+from gpuid_agent.delivery.exporters.otlp.encode import add_attributes, utf8
+
+_CUMULATIVE = AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+
+
+def _by_sample_name(family: Metric) -> dict[str, list[Any]]:
+    grouped: dict[str, list[Any]] = {}
+    for sample in family.samples:
+        if sample.name.endswith("_created"):
+            continue  # a counter's creation time: OTLP carries it as start_time_unix_nano
+        grouped.setdefault(sample.name, []).append(sample)
+    return grouped
+
+
+def encode_metrics(
+    families: Iterable[Metric],
+    resource: Mapping[str, str],
+    time_unix_nano: int,
+    start_time_unix_nano: int,
+) -> ExportMetricsServiceRequest:
+    """One request with every sample of `families` as a data point at `time_unix_nano`;
+    counters count from `start_time_unix_nano` (when the agent started)."""
+    request = ExportMetricsServiceRequest()
+    resource_metrics = request.resource_metrics.add()
+    add_attributes(resource_metrics.resource.attributes, resource)
+    scope_metrics = resource_metrics.scope_metrics.add()
+    scope_metrics.scope.name = SCOPE_NAME
+    scope_metrics.scope.version = __version__
+    for family in families:
+        counter = family.type == "counter"
+        for name, samples in _by_sample_name(family).items():
+            metric = scope_metrics.metrics.add()
+            metric.name = name.removesuffix("_total") if counter else name
+            metric.description = utf8(family.documentation)
+            metric.unit = family.unit
+            if counter:
+                metric.sum.aggregation_temporality = _CUMULATIVE
+                metric.sum.is_monotonic = True
+                points = metric.sum.data_points
+            else:
+                points = metric.gauge.data_points
+            for sample in samples:
+                point = points.add()
+                point.time_unix_nano = time_unix_nano
+                if counter:
+                    point.start_time_unix_nano = start_time_unix_nano
+                point.as_double = float(sample.value)
+                add_attributes(point.attributes, sample.labels)
+    return request
