@@ -97,9 +97,34 @@ def test_postgres_table_must_be_an_identifier(table: str) -> None:
 
 def test_simulation_profiles_match_the_simulator() -> None:
     from gpuid_agent.runtime.config import SIMULATION_PROFILES
+    from gpuid_agent.runtime.config_checks import SIMULATION_GPUS
     from gpuid_agent.simulate.profiles import PROFILES
 
     assert set(SIMULATION_PROFILES) == set(PROFILES)
+    assert {name: len(make("node-a")) for name, make in PROFILES.items()} == SIMULATION_GPUS
+
+
+@pytest.mark.parametrize(("profile", "gpu", "ok"), [("gb200x4", 3, True), ("gb200x4", 4, False),
+                                                    ("h100x8", 7, True), ("mig", 2, False)])  # fmt: skip
+def test_faults_name_gpus_the_profile_has(profile: str, gpu: int, ok: bool) -> None:
+    overrides = {"simulate": profile, "fault": f"thermal:gpu{gpu}"}
+    if ok:
+        assert load_settings(overrides).fault == [f"thermal:gpu{gpu}"]
+        return
+    with pytest.raises(ConfigError) as info:
+        load_settings(overrides)
+    assert f"thermal:gpu{gpu}" in info.value.problems["FAULT"]
+
+
+def test_a_bad_value_does_not_hide_the_cross_checks() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"exporter_type": "http,postgres,s3", "timeout": "soon"})
+    assert set(info.value.problems) == {"TIMEOUT", "HTTP_ENDPOINT", "POSTGRES_HOST", "S3_BUCKET"}
+    assert "\n" not in str(info.value)
+    # a FAULT is not blamed for a SIMULATE that is itself wrong
+    with pytest.raises(ConfigError) as info:
+        load_settings({"simulate": "gb300", "fault": "lost:gpu1"})
+    assert set(info.value.problems) == {"SIMULATE"}
 
 
 def test_unknown_simulation_profile_is_a_config_error() -> None:
