@@ -119,8 +119,12 @@ class Settings(BaseSettings):
     node_name: str = Field("", description="Node name (downward API); defaults to the hostname.")
     pod_name: str = Field("", description="This pod's name (downward API).")
     pod_namespace: str = Field("", description="This pod's namespace (downward API).")
-    namespace: str = Field("", description="Accepted for gpuid compatibility; not used.")
-    label_selector: str = Field("", description="Accepted for gpuid compatibility; not used.")
+    namespace: str = Field(
+        "", description="Accepted for gpuid compatibility; not used (a warning at start if set)."
+    )
+    label_selector: str = Field(
+        "", description="Accepted for gpuid compatibility; not used (a warning at start if set)."
+    )
 
     # collection
     nvml_library_path: str = Field(
