@@ -3,6 +3,7 @@ exit status 2 and no traceback; the real CLI runs as a subprocess."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -198,3 +199,16 @@ def test_unused_gpuid_settings_are_logged_once(subprocess_env: dict[str, str]) -
     assert "NAMESPACE" in warned[0] and "LABEL_SELECTOR" in warned[0]
     quiet = _run(["check-config"], subprocess_env)
     assert "not used" not in quiet.stderr
+
+
+def test_check_config_redacts_the_endpoints_credentials(subprocess_env: dict[str, str]) -> None:
+    env = subprocess_env | {
+        "EXPORTER_TYPE": "http",
+        "HTTP_ENDPOINT": "https://ingest:hunter22@127.0.0.1:9/x?api_key=k3y-s3cret&tenant=t1",
+    }
+    done = _run(["check-config"], env)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)["http_endpoint"]
+    assert shown == "https://<redacted>@127.0.0.1:9/x?api_key=<redacted>&tenant=<redacted>"
+    for secret in ("hunter22", "ingest", "k3y-s3cret"):
+        assert secret not in done.stdout + done.stderr

@@ -1,14 +1,20 @@
 """POST each batch as a JSON array (gpuid's body shape plus our fields) with aiohttp.
 
 Connection errors, timeouts, 408, 429 and 5xx are retryable (the worker backs off, honouring
-Retry-After); any other non-2xx status means the receiver refused the content, so the batch is
-set aside instead of being sent again and again. Every request of a batch carries the same
-Idempotency-Key, so a receiver can drop a batch it already stored.
+Retry-After). 401 and 403 say nothing about the batch, only about the credentials, which an
+operator (or a rotated Secret) fixes: the batch is held and retried like in an outage. Any other
+non-2xx status means the receiver refused the content, so the batch is set aside instead of
+being sent again and again. Every request of a batch carries the same Idempotency-Key, so a
+receiver can drop a batch it already stored.
+
+The endpoint's user, password and query values, and the token, never appear in an error: a
+receiver's body is scrubbed of them before it is quoted (receivers echo what they refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import os
 import re
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
+import yarl
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import (
@@ -28,6 +35,7 @@ from gpuid_agent.delivery.exporters.base import (
     json_bytes,
 )
 from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.redact import has_userinfo, redact_url, scrub, url_secrets
 from gpuid_agent.runtime.retry import parse_retry_after
 
 if TYPE_CHECKING:
@@ -41,10 +49,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
 def excerpt(text: str, *secrets: str) -> str:
     """A short single-line piece of a response body, safe to log."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "<redacted>")
-    text = _CONTROL.sub(" ", text).strip()
+    text = _CONTROL.sub(" ", scrub(text, secrets)).strip()
     return text[:EXCERPT_CHARS] + ("…" if len(text) > EXCERPT_CHARS else "")
 
 
@@ -89,6 +94,14 @@ class HttpExporter(Exporter):
         ca_bundle: str = "",
     ) -> None:
         self.endpoint = endpoint
+        self.shown_endpoint = redact_url(endpoint)
+        self._url_secrets = url_secrets(endpoint)
+        if has_userinfo(endpoint):
+            # aiohttp sends URL credentials as Basic auth: a receiver may echo that header
+            with contextlib.suppress(ValueError):
+                basic = aiohttp.BasicAuth.from_url(yarl.URL(endpoint))
+                if basic is not None:
+                    self._url_secrets.append(basic.encode().removeprefix("Basic "))
         self.timeout = timeout
         self.gzip_body = gzip_body
         self.ca_bundle = ca_bundle
@@ -125,9 +138,30 @@ class HttpExporter(Exporter):
             return await asyncio.to_thread(gzip.compress, body, 6)
         return gzip.compress(body, 6)
 
+    def _scrubbed(self, exc: ExportError, token: str) -> ExportError:
+        message = scrub(str(exc).replace(self.endpoint, self.shown_endpoint), [token])
+        message = scrub(message, self._url_secrets)
+        if message == str(exc):
+            return exc
+        return ExportError(
+            message,
+            error_type=exc.error_type,
+            retryable=exc.retryable,
+            retry_after=exc.retry_after,
+        )
+
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
         token = self._tokens.get()
+        try:
+            await self._post(batch, meta, token)
+        except ExportError as exc:
+            scrubbed = self._scrubbed(exc, token)
+            if scrubbed is exc:
+                raise
+            raise scrubbed from None  # the cause's own text may hold the secret
+
+    async def _post(self, batch: Sequence[Record], meta: BatchMeta, token: str) -> None:
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": meta.batch_id,
@@ -151,7 +185,7 @@ class HttpExporter(Exporter):
                 if 200 <= status < 300:
                     await response.read()
                     return
-                text = excerpt(await response.text(errors="replace"), token)
+                text = excerpt(await response.text(errors="replace"), token, *self._url_secrets)
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
         except ExportError:
             raise
@@ -162,6 +196,15 @@ class HttpExporter(Exporter):
         except (aiohttp.ClientError, OSError) as exc:
             raise ExportError(f"connection failed: {exc}", error_type="connection") from exc
         message = f"HTTP {status}: {text}" if text else f"HTTP {status}"
+        if status in (401, 403):
+            # The credentials, not the batch: hold it until they work again.
+            raise ExportError(
+                f"authentication refused by the receiver ({message}); check HTTP_AUTH_TOKEN, "
+                "HTTP_AUTH_TOKEN_FILE or the credentials in HTTP_ENDPOINT",
+                error_type=f"http_{status}",
+                retryable=True,
+                retry_after=retry_after,
+            )
         retryable = status in (408, 425, 429) or status >= 500 or 300 <= status < 400
         raise ExportError(
             message, error_type=f"http_{status}", retryable=retryable, retry_after=retry_after
