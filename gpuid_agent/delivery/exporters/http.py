@@ -123,7 +123,12 @@ class HttpExporter(Exporter):
         if self._session is None or self._session.closed:
             ssl_context: ssl.SSLContext | bool = True
             if self.ca_bundle:
-                ssl_context = ssl.create_default_context(cafile=self.ca_bundle)
+                try:
+                    ssl_context = ssl.create_default_context(cafile=self.ca_bundle)
+                except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                    raise ExportError(
+                        f"HTTP_CA_BUNDLE {self.ca_bundle} unusable: {exc}", error_type="tls"
+                    ) from exc
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=ssl_context, limit=4),
                 headers={"User-Agent": USER_AGENT},
