@@ -182,3 +182,20 @@ async def test_agent_status_and_logs_never_show_the_endpoints_credentials(
     assert "authentication refused" in logged
     _assert_clean(status_text, metrics_text, logged)
     assert not list(tmp_path.rglob("rejected/*"))
+
+
+async def test_a_one_letter_user_name_does_not_blot_out_the_agents_own_words(
+    receiver: Receiver,
+) -> None:
+    receiver.decide = lambda request: Reply(401, body="user u unknown")
+    endpoint = receiver.url.replace("://", "://u:pw-long-enough@")
+    exporter = HttpExporter(endpoint, timeout=5)
+    try:
+        with pytest.raises(ExportError) as info:
+            await exporter.export(readings(1))
+    finally:
+        await exporter.close()
+    message = str(info.value)
+    assert message.startswith("authentication refused by the receiver (HTTP 401: ")
+    assert "check HTTP_AUTH_TOKEN, HTTP_AUTH_TOKEN_FILE or the credentials" in message
+    assert "user <redacted> <redacted>nknown" in message  # the receiver's words are scrubbed

@@ -143,28 +143,15 @@ class HttpExporter(Exporter):
             return await asyncio.to_thread(gzip.compress, body, 6)
         return gzip.compress(body, 6)
 
-    def _scrubbed(self, exc: ExportError, token: str) -> ExportError:
-        message = scrub(str(exc).replace(self.endpoint, self.shown_endpoint), [token])
-        message = scrub(message, self._url_secrets)
-        if message == str(exc):
-            return exc
-        return ExportError(
-            message,
-            error_type=exc.error_type,
-            retryable=exc.retryable,
-            retry_after=exc.retry_after,
-        )
+    def _foreign(self, text: str, token: str) -> str:
+        """Text the agent did not write (a library's error, a receiver's body) made safe to
+        show: the endpoint as shown, and no token or URL secret. The agent's own words never
+        go through this, so a one-letter user name cannot blot them out."""
+        return scrub(text.replace(self.endpoint, self.shown_endpoint), [token, *self._url_secrets])
 
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
-        token = self._tokens.get()
-        try:
-            await self._post(batch, meta, token)
-        except ExportError as exc:
-            scrubbed = self._scrubbed(exc, token)
-            if scrubbed is exc:
-                raise
-            raise scrubbed from None  # the cause's own text may hold the secret
+        await self._post(batch, meta, self._tokens.get())
 
     async def _post(self, batch: Sequence[Record], meta: BatchMeta, token: str) -> None:
         headers = {
@@ -190,16 +177,20 @@ class HttpExporter(Exporter):
                 if 200 <= status < 300:
                     await response.read()
                     return
-                text = excerpt(await response.text(errors="replace"), token, *self._url_secrets)
+                text = excerpt(self._foreign(await response.text(errors="replace"), token))
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
         except ExportError:
             raise
         except aiohttp.ClientSSLError as exc:
-            raise ExportError(f"TLS error: {exc}", error_type="tls") from exc
+            raise ExportError(
+                f"TLS error: {self._foreign(str(exc), token)}", error_type="tls"
+            ) from None  # the cause's own text may hold the secret
         except TimeoutError as exc:
             raise ExportError(f"no answer within {self.timeout}s", error_type="timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise ExportError(f"connection failed: {exc}", error_type="connection") from exc
+            raise ExportError(
+                f"connection failed: {self._foreign(str(exc), token)}", error_type="connection"
+            ) from None  # the cause's own text may hold the secret
         message = f"HTTP {status}: {text}" if text else f"HTTP {status}"
         if status in (401, 403):
             # The credentials, not the batch: hold it until they work again.
