@@ -50,7 +50,8 @@ def bind_error(address: str, port: int, exc: OSError) -> ConfigError:
     where = f"{address or '*'}:{port}"
     if exc.errno == errno.EADDRINUSE:
         return ConfigError(
-            {"SERVER_PORT": f"{where} is already in use; set another SERVER_PORT"}, "cannot start"
+            {"SERVER_PORT": f"{where} is already in use; set another (--server-port 9090)"},
+            "cannot start",
         )
     if exc.errno in (errno.EACCES, errno.EPERM):
         return ConfigError(
