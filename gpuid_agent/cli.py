@@ -68,15 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gpuid-agent {__version__}")
     commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run", help="run the agent (default)", epilog=EXIT_CODES)
+    raw = argparse.RawDescriptionHelpFormatter  # keeps the exit-code table as written
+    run = commands.add_parser(
+        "run", help="run the agent (default)", epilog=EXIT_CODES, formatter_class=raw
+    )
     _add_setting_flags(run)
     inventory = commands.add_parser(
-        "inventory", help="print what NVML shows on this node", epilog=EXIT_CODES
+        "inventory",
+        help="print what NVML shows on this node",
+        epilog=EXIT_CODES,
+        formatter_class=raw,
     )
     inventory.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_setting_flags(inventory)
     check = commands.add_parser(
-        "check-config", help="print the effective config, secrets redacted", epilog=EXIT_CODES
+        "check-config",
+        help="print the effective config, secrets redacted",
+        epilog=EXIT_CODES,
+        formatter_class=raw,
     )
     _add_setting_flags(check)
     return parser
