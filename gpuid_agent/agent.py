@@ -9,6 +9,7 @@ them as supervised tasks beside the HTTP server, and stops them in order.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
@@ -46,6 +48,23 @@ if TYPE_CHECKING:
     from gpuid_agent.serving.otlp_push import OtlpMetricsPush
 
 _log = log.get("agent")
+
+
+def bind_error(address: str, port: int, exc: OSError) -> ConfigError:
+    """Why the server could not listen, naming the setting to change."""
+    where = f"{address or '*'}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(
+            {"SERVER_PORT": f"{where} is already in use; set another (--server-port 9090)"},
+            "cannot start",
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ConfigError(
+            {"SERVER_PORT": f"no permission to listen on {where}; use a port above 1023"},
+            "cannot start",
+        )
+    detail = os.strerror(exc.errno).lower() if exc.errno and exc.errno > 0 else str(exc)
+    return ConfigError({"SERVER_ADDRESS": f"cannot listen on {where}: {detail}"}, "cannot start")
 
 
 class Agent:
@@ -118,7 +137,12 @@ class Agent:
         await self._runner.setup()
         s = self.settings
         site = web.TCPSite(self._runner, s.server_address, s.server_port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            self._runner = None
+            raise bind_error(s.server_address, s.server_port, exc) from exc
         sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else s.server_port
 

@@ -1,6 +1,8 @@
 """Command line: run, inventory, check-config, --version.
 
 Every setting is also a flag (`BATCH_SIZE` → `--batch-size`); flags win over the environment.
+`run` is the default: `gpuid-agent --simulate gb200x4` runs the agent. A start that cannot
+work ends with one line on stderr naming the variable to fix, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,10 +22,26 @@ from pydantic_settings import NoDecode
 from gpuid_agent import __version__
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings, load_settings
+from gpuid_agent.runtime.config_checks import unused_settings
 from gpuid_agent.runtime.errors import ConfigError, NvmlUnavailableError
 
 EXIT_CONFIG = 2
 EXIT_NVML = 3
+COMMANDS = ("run", "inventory", "check-config")
+EXIT_CODES = """\
+With no command, runs the agent: `gpuid-agent --simulate gb200x4` is `gpuid-agent run ...`.
+
+exit codes:
+  0  done (run: stopped by SIGTERM or SIGINT)
+  2  invalid configuration, or a start it makes impossible (a port in use, an unreadable
+     token or CA file); one line on stderr names each variable to fix
+  3  NVML unavailable (inventory): no driver, or its library not found
+"""
+NVML_HINT = (
+    "Without an NVIDIA driver try --simulate gb200x4 (SIMULATE=gb200x4); with the driver "
+    "installed elsewhere set NVML_LIBRARY_PATH (--nvml-library-path) to its libnvidia-ml.so.1"
+)
+_log = log.get("cli")
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,16 +61,32 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gpuid-agent", description="GPU inventory and pod attribution agent."
+        prog="gpuid-agent",
+        description="GPU inventory and pod attribution agent.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpuid-agent {__version__}")
     commands = parser.add_subparsers(dest="command")
-    run = commands.add_parser("run", help="run the agent (default)")
+    raw = argparse.RawDescriptionHelpFormatter  # keeps the exit-code table as written
+    run = commands.add_parser(
+        "run", help="run the agent (default)", epilog=EXIT_CODES, formatter_class=raw
+    )
     _add_setting_flags(run)
-    inventory = commands.add_parser("inventory", help="print what NVML shows on this node")
+    inventory = commands.add_parser(
+        "inventory",
+        help="print what NVML shows on this node",
+        epilog=EXIT_CODES,
+        formatter_class=raw,
+    )
     inventory.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_setting_flags(inventory)
-    check = commands.add_parser("check-config", help="print the effective config, secrets redacted")
+    check = commands.add_parser(
+        "check-config",
+        help="print the effective config, secrets redacted",
+        epilog=EXIT_CODES,
+        formatter_class=raw,
+    )
     _add_setting_flags(check)
     return parser
 
@@ -96,7 +130,8 @@ def _inventory(settings: Settings, as_json: bool) -> int:
     try:
         reading = asyncio.run(read())
     except NvmlUnavailableError as exc:
-        print(f"gpuid-agent: NVML unavailable: {exc}", file=sys.stderr)
+        reason = " ".join(str(exc).split()).rstrip(".")
+        print(f"gpuid-agent: NVML unavailable: {reason}. {NVML_HINT}", file=sys.stderr)
         return EXIT_NVML
     if as_json:
         body = {
@@ -130,25 +165,43 @@ def _inventory(settings: Settings, as_json: bool) -> int:
     return 0
 
 
+def _with_command(argv: Sequence[str]) -> list[str]:
+    """`run` when no command is given (`gpuid-agent --simulate gb200x4`)."""
+    args = list(argv)
+    if args and (args[0] in COMMANDS or args[0] in ("-h", "--help", "--version")):
+        return args
+    return ["run", *args]
+
+
+def _warn_unused(settings: Settings) -> None:
+    unused = unused_settings(settings)
+    if unused:
+        _log.warning(
+            "gpuid settings set but not used: this agent reads only its own node's pods",
+            extra={"settings": unused},
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # gRPC core logs to stderr in its own format, where the agent's lines are JSON; keep only
     # its errors. Read once, when grpc is first imported (after this, by the agent).
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    command = args.command or "run"
-    if args.command is None:
-        args = parser.parse_args(["run", *(argv if argv is not None else sys.argv[1:])])
+    args = build_parser().parse_args(_with_command(sys.argv[1:] if argv is None else argv))
     try:
         settings = load_settings(_overrides(args))
     except ConfigError as exc:
         print(f"gpuid-agent: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     log.configure(settings.log_level)
-    if command == "check-config":
+    _warn_unused(settings)
+    if args.command == "check-config":
         body = orjson.dumps(settings.redacted(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
         sys.stdout.write(body.decode() + "\n")
         return 0
-    if command == "inventory":
-        return _inventory(settings, args.json)
-    return _run(settings)
+    try:
+        if args.command == "inventory":
+            return _inventory(settings, args.json)
+        return _run(settings)
+    except ConfigError as exc:  # found only on trying: a port in use
+        print(f"gpuid-agent: {exc}", file=sys.stderr)
+        return EXIT_CONFIG

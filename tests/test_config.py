@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -97,12 +98,97 @@ def test_postgres_table_must_be_an_identifier(table: str) -> None:
 
 def test_simulation_profiles_match_the_simulator() -> None:
     from gpuid_agent.runtime.config import SIMULATION_PROFILES
+    from gpuid_agent.runtime.config_checks import SIMULATION_GPUS
     from gpuid_agent.simulate.profiles import PROFILES
 
     assert set(SIMULATION_PROFILES) == set(PROFILES)
+    assert {name: len(make("node-a")) for name, make in PROFILES.items()} == SIMULATION_GPUS
+
+
+@pytest.mark.parametrize(("profile", "gpu", "ok"), [("gb200x4", 3, True), ("gb200x4", 4, False),
+                                                    ("h100x8", 7, True), ("mig", 2, False)])  # fmt: skip
+def test_faults_name_gpus_the_profile_has(profile: str, gpu: int, ok: bool) -> None:
+    overrides = {"simulate": profile, "fault": f"thermal:gpu{gpu}"}
+    if ok:
+        assert load_settings(overrides).fault == [f"thermal:gpu{gpu}"]
+        return
+    with pytest.raises(ConfigError) as info:
+        load_settings(overrides)
+    assert f"thermal:gpu{gpu}" in info.value.problems["FAULT"]
+
+
+def test_a_bad_value_does_not_hide_the_cross_checks() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"exporter_type": "http,postgres,s3", "timeout": "soon"})
+    assert set(info.value.problems) == {"TIMEOUT", "HTTP_ENDPOINT", "POSTGRES_HOST", "S3_BUCKET"}
+    assert "\n" not in str(info.value)
+    # a FAULT is not blamed for a SIMULATE that is itself wrong
+    with pytest.raises(ConfigError) as info:
+        load_settings({"simulate": "gb300", "fault": "lost:gpu1"})
+    assert set(info.value.problems) == {"SIMULATE"}
 
 
 def test_unknown_simulation_profile_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as info:
         load_settings({"simulate": "gb300x9"})
     assert "gb200x4" in info.value.problems["SIMULATE"]
+
+
+def test_http_files_that_work_pass_the_start_checks(tmp_path: Path) -> None:
+    from tests.servers.tls import make_ca_and_server
+
+    ca, _ = make_ca_and_server(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    s = load_settings(
+        {
+            "exporter_type": "http",
+            "http_endpoint": "https://127.0.0.1:9/x?api_key=k",
+            "http_auth_token_file": str(token),
+            "http_ca_bundle": str(ca),
+            "server_address": "localhost",
+        }
+    )
+    assert s.http_ca_bundle == str(ca)
+    # URL credentials alone are fine; with a token they are refused
+    assert load_settings({"exporter_type": "http", "http_endpoint": "https://u:p@h/x"})
+    with pytest.raises(ConfigError) as info:
+        load_settings(
+            {
+                "exporter_type": "http",
+                "http_endpoint": "https://u:p@h/x",
+                "http_auth_token_file": str(token),
+            }
+        )
+    assert set(info.value.problems) == {"HTTP_ENDPOINT"}
+    assert "u:p" not in str(info.value)
+
+
+def test_http_files_are_checked_only_for_the_http_exporter(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope")
+    assert load_settings({"http_auth_token_file": missing, "http_ca_bundle": missing})
+    with pytest.raises(ConfigError) as info:
+        load_settings(
+            {
+                "exporter_type": "stdout,http",
+                "http_endpoint": "http://127.0.0.1:9/",
+                "http_auth_token_file": missing,
+                "http_ca_bundle": missing,
+            }
+        )
+    assert set(info.value.problems) == {"HTTP_AUTH_TOKEN_FILE", "HTTP_CA_BUNDLE"}
+    assert all(missing in why for why in info.value.problems.values())
+
+
+def test_redacted_config_hides_endpoint_credentials() -> None:
+    s = load_settings(
+        {
+            "exporter_type": "http",
+            "http_endpoint": "https://u:pw@h.example/x?api_key=k3y",
+            "s3_endpoint_url": "http://AK:SK@127.0.0.1:9000",
+        }
+    )
+    shown = s.redacted()
+    assert shown["http_endpoint"] == "https://<redacted>@h.example/x?api_key=<redacted>"
+    assert shown["s3_endpoint_url"] == "http://<redacted>@127.0.0.1:9000"
+    assert s.http_endpoint.endswith("k3y")  # the value itself is untouched

@@ -95,15 +95,6 @@ def test_architecture_module_map_names_real_modules() -> None:
         assert (ROOT / path).exists(), f"architecture.md names {path}, which does not exist"
 
 
-def test_migration_table_maps_gpuid_variables_to_real_settings() -> None:
-    text = (DOCS / "migration.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `([A-Z0-9_]+)` \| `([A-Z0-9_]+)` \|", text, re.M)
-    assert len(rows) >= 20
-    settings = {env_name(f) for f in Settings.model_fields}
-    for gpuid, ours in rows:
-        assert ours in settings, f"{gpuid} → {ours}: no such setting"
-
-
 def test_quickstart_uses_existing_profiles_and_chart_values() -> None:
     text = (DOCS / "quickstart.md").read_text(encoding="utf-8")
     profiles = re.findall(r"--simulate[ =](\w+)", text)

@@ -204,3 +204,19 @@ def test_excerpt_is_short_single_line_and_redacted(body: str, secret: str) -> No
     assert "\r" not in out
     if secret not in "<redacted>":
         assert secret not in excerpt(secret * 3, secret)
+
+
+async def test_a_ca_bundle_removed_after_start_is_named_in_the_error(tmp_path: Path) -> None:
+    ca, server_context = make_ca_and_server(tmp_path)
+    server = Receiver(ssl_context=server_context)
+    await server.start()
+    exporter = HttpExporter(server.url, ca_bundle=str(ca), timeout=5)
+    ca.unlink()  # passed the start-time check, then the mount went away
+    try:
+        with pytest.raises(ExportError) as info:
+            await exporter.export(readings(1))
+    finally:
+        await exporter.close()
+        await server.stop()
+    assert info.value.error_type == "tls" and info.value.retryable
+    assert "HTTP_CA_BUNDLE" in str(info.value) and str(ca) in str(info.value)

@@ -81,8 +81,7 @@ def test_h100_eight_serials_no_chassis() -> None:
     assert labels == {
         **{f"{P}/gpu-{j}": s for j, s in enumerate(ordered)},
         f"{P}/gpu-count": "8",
-        f"{P}/chassis-count": "0",
-    }
+    }  # gpuid sets no chassis-count without a chassis
     assert rewritten == []
 
 
@@ -126,7 +125,7 @@ def test_chassis_and_chassisless_gpus_do_not_collide() -> None:
 
 def test_gpus_without_serial_are_counted_not_labelled() -> None:
     labels, _ = desired_labels(inventory(gpu(0, None), gpu(1, "S1")), P)
-    assert labels == {f"{P}/gpu-0": "S1", f"{P}/gpu-count": "2", f"{P}/chassis-count": "0"}
+    assert labels == {f"{P}/gpu-0": "S1", f"{P}/gpu-count": "2"}
 
 
 def test_no_gpus_no_labels_no_annotation() -> None:

@@ -123,7 +123,6 @@ async def test_h100_eight_serials_one_patch_then_quiet(harness: Harness) -> None
     assert ours(labels) == {
         **{f"{P}/gpu-{j}": s for j, s in enumerate(expected)},
         f"{P}/gpu-count": "8",
-        f"{P}/chassis-count": "0",
     }
     assert {k: labels[k] for k in FOREIGN} == FOREIGN
     assert harness.kube.count("patch") == 1
@@ -136,9 +135,12 @@ async def test_h100_eight_serials_one_patch_then_quiet(harness: Harness) -> None
     assert harness.value("gpuid_label_patches_total", {"result": "applied"}) == 1
     assert harness.value("gpuid_labels_in_sync") == 1
     assert harness.value("gpuid_label_last_success_timestamp_seconds") > 0
-    assert harness.value(
-        "gpuid_kube_api_requests_total", {"verb": "get", "resource": "nodes", "code": "200"}
-    ) == 2
+    assert (
+        harness.value(
+            "gpuid_kube_api_requests_total", {"verb": "get", "resource": "nodes", "code": "200"}
+        )
+        == 2
+    )
     assert harness.state() == ("ok", None)
 
 
@@ -154,6 +156,24 @@ async def test_gb200_two_gpu_labels_and_a_chassis(harness: Harness) -> None:
         f"{P}/gpu-count": "4",
         f"{P}/chassis-count": "1",
     }
+
+
+async def test_a_stale_chassis_count_without_a_chassis_is_removed(harness: Harness) -> None:
+    # An H100 node labelled by an earlier version, which wrote chassis-count=0: gpuid writes
+    # no chassis-count without a chassis, so `-l P/chassis-count` must not match it.
+    stale = {f"{P}/chassis-count": "0", f"{P}/gpu-count": "8"}
+    harness.kube.add_node(NODE, labels=FOREIGN | stale)
+    labeler = harness.labeler()
+    labeler.offer(h100())
+    assert await labeler.reconcile_once() is None
+    labels = labels_of(harness.kube)
+    assert f"{P}/chassis-count" not in labels
+    assert labels[f"{P}/gpu-count"] == "8"
+    assert {k: labels[k] for k in FOREIGN} == FOREIGN
+    # the same node moved onto a GB200 tray gets the label back, with its count
+    labeler.offer(gb200())
+    assert await labeler.reconcile_once() is None
+    assert labels_of(harness.kube)[f"{P}/chassis-count"] == "1"
 
 
 async def test_two_chassis(harness: Harness) -> None:
@@ -330,7 +350,9 @@ async def test_api_down_at_start_then_up_converges(tmp_path: Path) -> None:
     labeler = h.run(h.labeler())
     try:
         labeler.offer(gb200())
-        await until(lambda: h.value("gpuid_label_reconcile_errors_total", {"reason": "connection"}) >= 2)
+        await until(
+            lambda: h.value("gpuid_label_reconcile_errors_total", {"reason": "connection"}) >= 2
+        )
         state, reason = h.state()
         assert state == "degraded"
         assert reason is not None

@@ -21,17 +21,20 @@ from pydantic import (
 )
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from gpuid_agent.runtime.config_checks import SIMULATION_GPUS, cross_checks
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.fault_spec import parse_faults
 from gpuid_agent.runtime.otel_settings import OtelSettings
+from gpuid_agent.runtime.redact import REDACTED, redact_url
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
+# URLs that may carry credentials in their userinfo or query: shown redacted.
+_URL_FIELDS = frozenset({"http_endpoint", "s3_endpoint_url"})
 EXPORTER_NAMES = ("stdout", "http", "postgres", "s3", "otlp")
-# Kept in step with gpuid_agent.simulate.profiles.PROFILES (a test checks), so a typo in
-# SIMULATE fails at start with the other configuration errors.
-SIMULATION_PROFILES = ("h100x8", "gb200x4", "mig", "timesliced", "dra")
+# A typo in SIMULATE fails at start with the other configuration errors.
+SIMULATION_PROFILES = tuple(SIMULATION_GPUS)
 
 
 def parse_duration(value: object) -> float:
@@ -118,8 +121,12 @@ class Settings(OtelSettings):
     node_name: str = Field("", description="Node name (downward API); defaults to the hostname.")
     pod_name: str = Field("", description="This pod's name (downward API).")
     pod_namespace: str = Field("", description="This pod's namespace (downward API).")
-    namespace: str = Field("", description="Accepted for gpuid compatibility; not used.")
-    label_selector: str = Field("", description="Accepted for gpuid compatibility; not used.")
+    namespace: str = Field(
+        "", description="Accepted for gpuid compatibility; not used (a warning at start if set)."
+    )
+    label_selector: str = Field(
+        "", description="Accepted for gpuid compatibility; not used (a warning at start if set)."
+    )
 
     # collection
     nvml_library_path: str = Field(
@@ -305,7 +312,9 @@ class Settings(OtelSettings):
         for name in type(self).model_fields:
             value = getattr(self, name)
             if isinstance(value, SecretStr):
-                out[name] = "<redacted>" if value.get_secret_value() else ""
+                out[name] = REDACTED if value.get_secret_value() else ""
+            elif name in _URL_FIELDS:
+                out[name] = redact_url(value)
             else:
                 out[name] = value
         return out
@@ -326,28 +335,13 @@ def _describe(error: Mapping[str, Any], secret: bool) -> str:
     return f"{msg} (got {shown})"
 
 
-def _cross_checks(settings: Settings) -> dict[str, str]:
+def _problems(exc: ValidationError) -> dict[str, str]:
     problems: dict[str, str] = {}
-    needs = {
-        "http": ("http_endpoint", "required when EXPORTER_TYPE includes http"),
-        "postgres": ("postgres_host", "required when EXPORTER_TYPE includes postgres"),
-        "s3": ("s3_bucket", "required when EXPORTER_TYPE includes s3"),
-    }
-    for exporter, (field, why) in needs.items():
-        if exporter in settings.exporter_type and not getattr(settings, field):
-            problems[env_name(field)] = why
-    if settings.fault and not settings.simulate:
-        problems["FAULT"] = "faults are injected into a simulated node only: set SIMULATE too"
-    for field in ("postgres_table", "postgres_allocations_table", "postgres_events_table"):
-        if not re.fullmatch(
-            r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?", getattr(settings, field)
-        ):
-            problems[env_name(field)] = "must be an SQL identifier, optionally schema-qualified"
-    problems.update(settings.otel_problems("otlp" in settings.exporter_type))
-    if settings.http_endpoint and not re.fullmatch(
-        r"https?://[^/\s]+(/\S*)?", settings.http_endpoint
-    ):
-        problems["HTTP_ENDPOINT"] = "must be an http:// or https:// URL"
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        annotation = Settings.model_fields.get(field)
+        secret = annotation is not None and annotation.annotation is SecretStr
+        problems.setdefault(env_name(field), _describe(error, secret))
     return problems
 
 
@@ -357,14 +351,25 @@ def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
     try:
         settings = Settings(**init)
     except ValidationError as exc:
-        problems: dict[str, str] = {}
-        for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else "?"
-            annotation = Settings.model_fields.get(field)
-            secret = annotation is not None and annotation.annotation is SecretStr
-            problems.setdefault(env_name(field), _describe(error, secret))
+        problems = _problems(exc)
+        # Check the rest with each bad value at its default, so one message names every
+        # variable to fix (BATCH_SIZE=0 and a missing POSTGRES_HOST together).
+        bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+        defaults = {
+            name: field.get_default(call_default_factory=True)
+            for name, field in Settings.model_fields.items()
+            if name in bad
+        }
+        try:
+            rest = Settings(**(init | defaults))
+        except ValidationError:
+            rest = None
+        if rest is not None:
+            for name, why in cross_checks(rest).items():
+                if not (name == "FAULT" and "simulate" in bad):  # FAULT depends on SIMULATE
+                    problems.setdefault(name, why)
         raise ConfigError(problems) from None
-    problems = _cross_checks(settings)
+    problems = cross_checks(settings)
     if problems:
         raise ConfigError(problems)
     return settings

@@ -1,7 +1,8 @@
 """One exception tree: every error the agent raises on purpose derives from GpuidError.
 
     GpuidError
-    ├── ConfigError            invalid settings; names every bad variable (exit 2)
+    ├── ConfigError            invalid settings, or a start they make fail (a port in use);
+    │                          names every variable to fix (exit 2)
     ├── NvmlError
     │   ├── NvmlUnavailableError   NVML cannot start (no driver, library, permission)
     │   ├── NvmlStalledError       an NVML call outlived its bound; the thread is abandoned
@@ -28,10 +29,11 @@ class GpuidError(Exception):
 class ConfigError(GpuidError):
     """Invalid configuration; `problems` maps each variable name to why it is wrong."""
 
-    def __init__(self, problems: dict[str, str]) -> None:
+    def __init__(self, problems: dict[str, str], headline: str = "invalid configuration") -> None:
         self.problems = dict(problems)
-        lines = [f"  {name}: {why}" for name, why in sorted(self.problems.items())]
-        super().__init__("invalid configuration:\n" + "\n".join(lines))
+        # One line, so it reads whole in `kubectl logs` and a crash-looping pod's last state.
+        parts = [f"{name}: {' '.join(why.split())}" for name, why in sorted(self.problems.items())]
+        super().__init__(f"{headline}: " + "; ".join(parts))
 
 
 class NvmlError(GpuidError):

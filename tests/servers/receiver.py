@@ -37,6 +37,7 @@ class Received:
     records: list[dict[str, Any]]
     status: int = 0
     size: int = 0  # bytes of the decoded body
+    path_qs: str = ""  # the request's path and query, as a receiver that echoes it sees it
 
     @property
     def record_ids(self) -> list[str]:
@@ -59,7 +60,13 @@ class Receiver:
         raw = await request.read()  # aiohttp already undoes Content-Encoding: gzip
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-        entry = Received(time.monotonic(), dict(request.headers), json.loads(raw), size=len(raw))
+        entry = Received(
+            time.monotonic(),
+            dict(request.headers),
+            json.loads(raw),
+            size=len(raw),
+            path_qs=request.path_qs,
+        )
         self.requests.append(entry)
         reply = (self.decide(entry) if self.decide else None) or (
             self.plan.popleft() if self.plan else self.default

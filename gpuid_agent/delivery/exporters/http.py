@@ -1,14 +1,20 @@
 """POST each batch as a JSON array (gpuid's body shape plus our fields) with aiohttp.
 
 Connection errors, timeouts, 408, 429 and 5xx are retryable (the worker backs off, honouring
-Retry-After); any other non-2xx status means the receiver refused the content, so the batch is
-set aside instead of being sent again and again. Every request of a batch carries the same
-Idempotency-Key, so a receiver can drop a batch it already stored.
+Retry-After). 401 and 403 say nothing about the batch, only about the credentials, which an
+operator (or a rotated Secret) fixes: the batch is held and retried like in an outage. Any other
+non-2xx status means the receiver refused the content, so the batch is set aside instead of
+being sent again and again. Every request of a batch carries the same Idempotency-Key, so a
+receiver can drop a batch it already stored.
+
+The endpoint's user, password and query values, and the token, never appear in an error: a
+receiver's body is scrubbed of them before it is quoted (receivers echo what they refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import os
 import ssl
@@ -16,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
+import yarl
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import (
@@ -28,6 +35,7 @@ from gpuid_agent.delivery.exporters.base import (
     json_bytes,
 )
 from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.redact import has_userinfo, redact_url, scrub, url_secrets
 from gpuid_agent.runtime.retry import parse_retry_after
 
 if TYPE_CHECKING:
@@ -78,6 +86,14 @@ class HttpExporter(Exporter):
         ca_bundle: str = "",
     ) -> None:
         self.endpoint = endpoint
+        self.shown_endpoint = redact_url(endpoint)
+        self._url_secrets = url_secrets(endpoint)
+        if has_userinfo(endpoint):
+            # aiohttp sends URL credentials as Basic auth: a receiver may echo that header
+            with contextlib.suppress(ValueError):
+                basic = aiohttp.BasicAuth.from_url(yarl.URL(endpoint))
+                if basic is not None:
+                    self._url_secrets.append(basic.encode().removeprefix("Basic "))
         self.timeout = timeout
         self.gzip_body = gzip_body
         self.ca_bundle = ca_bundle
@@ -99,7 +115,12 @@ class HttpExporter(Exporter):
         if self._session is None or self._session.closed:
             ssl_context: ssl.SSLContext | bool = True
             if self.ca_bundle:
-                ssl_context = ssl.create_default_context(cafile=self.ca_bundle)
+                try:
+                    ssl_context = ssl.create_default_context(cafile=self.ca_bundle)
+                except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                    raise ExportError(
+                        f"HTTP_CA_BUNDLE {self.ca_bundle} unusable: {exc}", error_type="tls"
+                    ) from exc
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=ssl_context, limit=4),
                 headers={"User-Agent": USER_AGENT},
@@ -114,9 +135,17 @@ class HttpExporter(Exporter):
             return await asyncio.to_thread(gzip.compress, body, 6)
         return gzip.compress(body, 6)
 
+    def _foreign(self, text: str, token: str) -> str:
+        """Text the agent did not write (a library's error, a receiver's body) made safe to
+        show: the endpoint as shown, and no token or URL secret. The agent's own words never
+        go through this, so a one-letter user name cannot blot them out."""
+        return scrub(text.replace(self.endpoint, self.shown_endpoint), [token, *self._url_secrets])
+
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
-        token = self._tokens.get()
+        await self._post(batch, meta, self._tokens.get())
+
+    async def _post(self, batch: Sequence[Record], meta: BatchMeta, token: str) -> None:
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": meta.batch_id,
@@ -140,17 +169,30 @@ class HttpExporter(Exporter):
                 if 200 <= status < 300:
                     await response.read()
                     return
-                text = excerpt(await response.text(errors="replace"), token)
+                text = excerpt(self._foreign(await response.text(errors="replace"), token))
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
         except ExportError:
             raise
         except aiohttp.ClientSSLError as exc:
-            raise ExportError(f"TLS error: {exc}", error_type="tls") from exc
+            raise ExportError(
+                f"TLS error: {self._foreign(str(exc), token)}", error_type="tls"
+            ) from None  # the cause's own text may hold the secret
         except TimeoutError as exc:
             raise ExportError(f"no answer within {self.timeout}s", error_type="timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise ExportError(f"connection failed: {exc}", error_type="connection") from exc
+            raise ExportError(
+                f"connection failed: {self._foreign(str(exc), token)}", error_type="connection"
+            ) from None  # the cause's own text may hold the secret
         message = f"HTTP {status}: {text}" if text else f"HTTP {status}"
+        if status in (401, 403):
+            # The credentials, not the batch: hold it until they work again.
+            raise ExportError(
+                f"authentication refused by the receiver ({message}); check HTTP_AUTH_TOKEN, "
+                "HTTP_AUTH_TOKEN_FILE or the credentials in HTTP_ENDPOINT",
+                error_type=f"http_{status}",
+                retryable=True,
+                retry_after=retry_after,
+            )
         retryable = status in (408, 425, 429) or status >= 500 or 300 <= status < 400
         raise ExportError(
             message, error_type=f"http_{status}", retryable=retryable, retry_after=retry_after

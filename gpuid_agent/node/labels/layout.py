@@ -5,7 +5,9 @@ gpuid's layout under a prefix P (default `gpuid.github.com`), i and j counted fr
 - no chassis (H100 HGX):    P/gpu-<j>                       j over the sorted unique serials
 - one chassis (GB200 tray): P/chassis, P/gpu-<j>
 - several chassis:          P/chassis-<i>, P/chassis-<i>-gpu-<j>   i over sorted chassis serials
-- always (with GPUs):       P/gpu-count (GPUs NVML reports), P/chassis-count
+- always (with GPUs):       P/gpu-count (GPUs NVML reports)
+- with a chassis:           P/chassis-count (as gpuid: none without a chassis, so a selector
+                            on the label's existence picks only nodes that have one)
 
 GPUs sharing a serial (the two dies of a GB200 superchip) get one label. GPUs without a
 chassis on a node that also has chassis keep `gpu-<j>`, with the chassis in indexed form so
@@ -85,7 +87,8 @@ def desired_labels(inventory: NodeInventory, prefix: str) -> tuple[dict[str, str
         for j, serial in enumerate(unchassised):
             put(f"gpu-{j}", serial)
     labels[f"{prefix}/gpu-count"] = str(len(inventory.gpus))
-    labels[f"{prefix}/chassis-count"] = str(len(inventory.chassis_serials))
+    if inventory.chassis_serials:
+        labels[f"{prefix}/chassis-count"] = str(len(inventory.chassis_serials))
     return labels, rewritten
 
 
