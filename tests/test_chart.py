@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -37,6 +38,7 @@ from tests.chart_render import (
     render,
     versions,
 )
+from tests.servers.tls import make_ca_and_server
 
 VERSIONS = versions()
 
@@ -433,12 +435,23 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 @pytest.mark.parametrize("path", CI_VALUES, ids=lambda p: p.name)
 def test_rendered_env_is_accepted_by_the_agent(
-    path: Any, clean_environ: pytest.MonkeyPatch
+    path: Any, clean_environ: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     result = rendered(path.name, newest_supported())
-    env = _env(agent_container(result.one("DaemonSet")))
+    container = agent_container(result.one("DaemonSet"))
+    env = _env(container)
+    mounted = [m["mountPath"] for m in container.get("volumeMounts", [])]
+    ca_file, _ = make_ca_and_server(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    # the agent reads these files at start: each must lie in a volume the chart mounts; the
+    # test stands in for the mounted Secret/ConfigMap with files of the same kind
+    stand_ins = {"HTTP_AUTH_TOKEN_FILE": token_file, "HTTP_CA_BUNDLE": ca_file}
     for variable, entry in env.items():
-        if "value" in entry:
+        if variable in stand_ins and "value" in entry:
+            assert any(entry["value"].startswith(m.rstrip("/") + "/") for m in mounted), variable
+            clean_environ.setenv(variable, str(stand_ins[variable]))
+        elif "value" in entry:
             clean_environ.setenv(variable, entry["value"])
         elif "fieldRef" in entry["valueFrom"]:
             clean_environ.setenv(variable, "from-downward-api")
