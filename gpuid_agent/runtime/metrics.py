@@ -14,6 +14,21 @@ from gpuid_agent import __version__
 
 _EXPORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+# Every label value the agent can give these counters. Their series exist at 0 from the
+# start: `increase()` cannot see the first event of a series that appears with it, so an
+# alert on the first dropped record needs the 0 before it.
+DROP_REASONS = (
+    "intake_full",
+    "buffer_full",
+    "spool_full",
+    "spool_unwritable",
+    "store_full",
+    "rejected",
+    "unreadable",
+    "shutdown",
+)
+COLLECTION_ERROR_REASONS = ("field", "gpu_lost", "init", "read", "stalled")
+
 
 class AgentMetrics:
     def __init__(self) -> None:
@@ -23,7 +38,11 @@ class AgentMetrics:
             "gpuid_build_info", "Agent build information.", ["version", "python"], registry=r
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
-        self.gpu_count = Gauge("gpuid_gpu_count", "GPUs NVML reports on this node.", registry=r)
+        self.gpus = Gauge("gpuid_gpus", "GPUs NVML reports on this node.", registry=r)
+        # the old name ends in _count, which reads as a histogram's; kept one more release
+        self.gpu_count_deprecated = Gauge(
+            "gpuid_gpu_count", "Deprecated: use gpuid_gpus (same value).", registry=r
+        )
         self.nvml_up = Gauge(
             "gpuid_nvml_up", "1 when NVML is initialised and readable.", registry=r
         )
@@ -33,6 +52,8 @@ class AgentMetrics:
         self.collection_errors = Counter(
             "gpuid_collection_errors_total", "Failed NVML reads by reason.", ["reason"], registry=r
         )
+        for reason in COLLECTION_ERROR_REASONS:
+            self.collection_errors.labels(reason)
         self.records_emitted = Counter(
             "gpuid_records_emitted_total", "Records handed to the exporters.", ["kind"], registry=r
         )
@@ -111,6 +132,22 @@ class AgentMetrics:
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
         )
+
+    def set_gpus(self, count: int) -> None:
+        self.gpus.set(count)
+        self.gpu_count_deprecated.set(count)
+
+    def add_exporter(self, name: str) -> None:
+        """Create the exporter's counter series at 0, so alerts see its first event."""
+        for counter in (
+            self.export_success,
+            self.exported_records,
+            self.export_retries,
+            self.set_aside_batches,
+        ):
+            counter.labels(name)
+        for reason in DROP_REASONS:
+            self.dropped_records.labels(name, reason)
 
 
 class LabelMetrics:
