@@ -7,8 +7,11 @@ process, which the tests and the benchmark rely on.
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from gpuid_agent import __version__
 
@@ -28,6 +31,8 @@ DROP_REASONS = (
     "shutdown",
 )
 COLLECTION_ERROR_REASONS = ("field", "gpu_lost", "init", "read", "stalled")
+# old name → new name; served alongside for one release (docs/metrics.md says so)
+DEPRECATED_ALIASES = {"gpuid_gpu_count": "gpuid_gpus"}
 
 
 class AgentMetrics:
@@ -148,6 +153,30 @@ class AgentMetrics:
             counter.labels(name)
         for reason in DROP_REASONS:
             self.dropped_records.labels(name, reason)
+
+
+class _WithoutCreated(Collector):
+    """The registry's families minus the `_created` series of counters and histograms: a
+    series per label set that says when the agent started, which nobody queries."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if s.name != created]
+            yield kept
+
+
+def exposition_registry(registry: CollectorRegistry, created: bool) -> CollectorRegistry:
+    """What /metrics serves: the registry itself, or a view without `_created` series."""
+    if created:
+        return registry
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_WithoutCreated(registry))
+    return view
 
 
 class LabelMetrics:

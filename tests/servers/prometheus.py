@@ -61,9 +61,17 @@ def unavailable() -> str | None:
     return None if _present() else "the prometheus package did not provide promtool"
 
 
-def promtool(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def promtool(
+    *argv: str, cwd: Path | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PROMTOOL, *argv], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        [PROMTOOL, *argv],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
