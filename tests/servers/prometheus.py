@@ -87,13 +87,14 @@ class PrometheusServer:
         }
         (self.root / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        log = (self.root / "prometheus.log").open("wb")
+        self._log = log = (self.root / "prometheus.log").open("wb")
         self._proc = subprocess.Popen(
             [
                 PROMETHEUS,
@@ -142,6 +143,8 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        if self._log is not None:
+            self._log.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
 

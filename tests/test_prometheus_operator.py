@@ -1,0 +1,189 @@
+"""A real Prometheus scrapes a simulated agent with the configuration prometheus-operator
+generates from the chart's ServiceMonitor or PodMonitor (tests/operator_scrape.py); the
+assertions ask its query API what it stored.
+
+The simulated node (h100x8): GPU 0 time-shared by llm-serve-0..2 (namespace inference), GPUs
+1-4 held by train-0 (ml), GPU 5 by notebook (default), GPUs 6 and 7 free.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from gpuid_agent.runtime.config import Settings
+from tests.chart_render import PROMETHEUS_OPERATOR, ROOT, newest_supported, render
+from tests.operator_scrape import AgentPod, scrape_configs
+from tests.servers import prometheus
+from tests.servers.postgres import free_port
+
+AGENT_POD = AgentPod(address="")  # the name, namespace and node discovery would report
+
+
+@dataclass(frozen=True)
+class Setup:
+    kind: str
+    naming: str
+    values: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        honor = self.values.get("monitoring", {}).get("gpuMetrics", {}).get("honorLabels", True)
+        return f"{self.kind}-{self.naming}" + ("" if honor else "-no-honorLabels")
+
+
+SETUPS = [
+    Setup("ServiceMonitor", "dcgm", {}),
+    Setup(
+        "PodMonitor",
+        "prometheus",
+        {"monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": False}}},
+    ),
+    Setup("ServiceMonitor", "dcgm", {"monitoring": {"gpuMetrics": {"honorLabels": False}}}),
+]
+
+
+@dataclass
+class Scraped:
+    setup: Setup
+    server: prometheus.PrometheusServer
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        return self.server.query(expr)
+
+    def values(self, expr: str) -> list[tuple[dict[str, str], float]]:
+        return [(r["metric"], float(r["value"][1])) for r in self.query(expr)]
+
+
+def _wait_http(url: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def prometheus_ready() -> None:
+    reason = prometheus.unavailable()
+    if reason:
+        pytest.skip(f"a Prometheus server is needed: {reason}")
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=lambda s: s.id)
+def scraped(request: pytest.FixtureRequest, prometheus_ready: None) -> Iterator[Scraped]:
+    setup: Setup = request.param
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k.lower() not in Settings.model_fields}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "SIMULATE": "h100x8",
+        "SERVER_ADDRESS": "127.0.0.1",
+        "SERVER_PORT": str(port),
+        "NODE_NAME": "node-a",
+        "LABELS": "off",
+        "KUBE_API": "off",
+        "DMI_PRODUCT_UUID_PATH": "",
+        "MACHINE_ID_PATH": "",
+        "METRICS_NAMING": setup.naming,
+        "EXPORTER_TYPE": "stdout",
+        "COLLECT_INTERVAL": "1s",
+    }
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "gpuid_agent", "run"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/readyz")
+        rendered = render(
+            setup.values, kube_version=newest_supported(), api_versions=PROMETHEUS_OPERATOR
+        )
+        monitor = rendered.one(setup.kind)
+        daemonset = rendered.one("DaemonSet")
+        pod = AgentPod(address=f"127.0.0.1:{port}")
+        owner = rendered.one("Service") if setup.kind == "ServiceMonitor" else daemonset
+        labels = owner["metadata"]["labels"]
+        if setup.kind == "PodMonitor":
+            labels = daemonset["spec"]["template"]["metadata"]["labels"]
+        with prometheus.running(scrape_configs(monitor, pod, labels)) as server:
+            scraped = Scraped(setup, server)
+            _until(scraped, "up", 1)
+            gpu_family = "DCGM_FI_DEV_GPU_UTIL" if setup.naming == "dcgm" else "gpuid_gpu_info"
+            _until(scraped, gpu_family, 8)
+            time.sleep(5)  # several scrapes of each endpoint
+            yield scraped
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+
+
+def _until(scraped: Scraped, expr: str, count: int, within: float = 40.0) -> None:
+    deadline = time.monotonic() + within
+    while len(found := scraped.query(expr)) < count:
+        assert time.monotonic() < deadline, f"{expr}: {found}\n{scraped.server.log()[-3000:]}"
+        time.sleep(0.3)
+
+
+def test_each_endpoint_has_its_own_up(scraped: Scraped) -> None:
+    up = scraped.values("up")
+    assert sorted(m["endpoint"] for m, _ in up) == ["gpu-metrics", "metrics"]
+    assert all(value == 1 for _, value in up)
+    # one series per endpoint, scraped once a second: ~10 samples in 10s, not ~20 merged
+    for metric, count in scraped.values("count_over_time(up[10s])"):
+        assert 5 <= count <= 11, (metric, count)
+    scraped_samples = dict(
+        (m["endpoint"], v) for m, v in scraped.values("max_over_time(scrape_samples_scraped[5s])")
+    )
+    steady = dict(
+        (m["endpoint"], v) for m, v in scraped.values("min_over_time(scrape_samples_scraped[5s])")
+    )
+    assert scraped_samples == steady, "scrape_samples_scraped alternates: endpoints merged"
+    assert scraped_samples["metrics"] != scraped_samples["gpu-metrics"]
+
+
+def test_agent_series_carry_the_agents_pod(scraped: Scraped) -> None:
+    [(metric, value)] = scraped.values("gpuid_gpus")
+    assert value == 8
+    assert metric["pod"] == AGENT_POD.name and metric["namespace"] == AGENT_POD.namespace
+    assert metric["node"] == "node-a" and metric["endpoint"] == "metrics"
+    assert metric["container"] == "agent"
+
+
+def test_gpu_series_carry_their_holders_and_never_the_agents_pod(scraped: Scraped) -> None:
+    assert scraped.query('{__name__=~".+", exported_pod=~".+"}') == []
+    assert scraped.query('{__name__=~".+", exported_namespace=~".+"}') == []
+    assert scraped.query(f'{{endpoint="gpu-metrics", pod="{AGENT_POD.name}"}}') == []
+    assert scraped.query(f'{{endpoint="gpu-metrics", namespace="{AGENT_POD.namespace}"}}') == []
+    dcgm = scraped.setup.naming == "dcgm"
+    held = "DCGM_FI_DEV_GPU_UTIL" if dcgm else "gpuid_gpu_allocation_info"
+    train = scraped.values(f'{held}{{pod="train-0"}}')
+    assert sorted(m["gpu"] for m, _ in train) == ["1", "2", "3", "4"]
+    assert {(m["namespace"], m["container"], m["node"]) for m, _ in train} == {
+        ("ml", "trainer", "node-a")
+    }
+    shared = scraped.values(f'{held}{{gpu="0"}}')
+    assert sorted(m["pod"] for m, _ in shared) == ["llm-serve-0", "llm-serve-1", "llm-serve-2"]
+    if dcgm:
+        free = scraped.values('DCGM_FI_DEV_GPU_UTIL{gpu=~"6|7"}')
+    else:
+        free = scraped.values("gpuid_gpu_utilization_ratio")
+        assert len(free) == 8  # one series per GPU, no holder labels in Prometheus naming
+    assert free
+    for metric, _ in free:
+        assert not {"pod", "namespace", "container"} & set(metric), metric
+        assert metric["node"] == "node-a"
