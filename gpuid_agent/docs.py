@@ -204,6 +204,29 @@ def _unit(scale: float, naming: str, field: gpu_metrics.FieldSpec) -> str:
     return "percent" if naming == "dcgm" and name.endswith("_ratio") else "—"
 
 
+_SUMS = (
+    "### Sums and averages over GPUs",
+    "",
+    "Under dcgm naming every telemetry series of a GPU is repeated once per container holding",
+    "it, with that holder's `namespace`, `pod` and `container`: dcgm-exporter's layout, kept",
+    'for compatibility so its dashboards\' `pod` selectors (`DCGM_FI_DEV_GPU_UTIL{pod="x"}`)',
+    "keep working. A GPU time-shared by three pods has three identical series, so a plain",
+    "`sum` counts it three times (NVIDIA's dcgm-exporter dashboard does). In either naming a",
+    "MIG GPU has a series of its own and one per instance. Keep one series per whole GPU",
+    "before adding up:",
+    "",
+    "```promql",
+    'sum by (node) (max by (node, UUID) (DCGM_FI_DEV_POWER_USAGE{GPU_I_ID=""}))',
+    'sum by (node) (max by (node, uuid) (gpuid_gpu_power_watts{gpu_instance_id=""}))',
+    "```",
+    "",
+    "`max` and `min` need nothing. The chart's dashboard does this in every GPU panel. Under",
+    "Prometheus naming a GPU has one series and its holders are in",
+    "`gpuid_gpu_allocation_info` (see [attribution.md](attribution.md) for the join).",
+    "",
+)
+
+
 def metrics_page() -> str:
     lines = [
         GENERATED,
@@ -284,6 +307,7 @@ def metrics_page() -> str:
         "requires `_total` on counters, so under dcgm naming `/gpu/metrics` is served in the",
         "Prometheus text format only, as dcgm-exporter serves it.",
         "",
+        *_SUMS,
     ]
     return "\n".join(lines)
 

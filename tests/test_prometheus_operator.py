@@ -8,6 +8,7 @@ The simulated node (h100x8): GPU 0 time-shared by llm-serve-0..2 (namespace infe
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpuid_agent.runtime.config import Settings
-from tests.chart_render import PROMETHEUS_OPERATOR, ROOT, newest_supported, render
+from tests.chart_render import CHART, PROMETHEUS_OPERATOR, ROOT, newest_supported, render
 from tests.operator_scrape import AgentPod, scrape_configs
 from tests.servers import prometheus
 from tests.servers.postgres import free_port
@@ -56,11 +57,11 @@ class Scraped:
     setup: Setup
     server: prometheus.PrometheusServer
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        return self.server.query(expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        return self.server.query(expr, at)
 
-    def values(self, expr: str) -> list[tuple[dict[str, str], float]]:
-        return [(r["metric"], float(r["value"][1])) for r in self.query(expr)]
+    def values(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        return [(r["metric"], float(r["value"][1])) for r in self.query(expr, at)]
 
 
 def _wait_http(url: str, within: float = 30.0) -> None:
@@ -187,3 +188,52 @@ def test_gpu_series_carry_their_holders_and_never_the_agents_pod(scraped: Scrape
     for metric, _ in free:
         assert not {"pod", "namespace", "container"} & set(metric), metric
         assert metric["node"] == "node-a"
+
+
+def _panel(title: str) -> str:
+    dashboard = json.loads((CHART / "dashboards" / "gpuid-agent.json").read_text())
+    [expr] = [t["expr"] for p in dashboard["panels"] if p["title"] == title for t in p["targets"]]
+    return str(expr).replace("$node", ".*")
+
+
+@pytest.mark.parametrize(
+    ("title", "prom", "dcgm", "scale"),
+    [
+        ("Power", "gpuid_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE", 1.0),
+        ("GPU memory used", "gpuid_gpu_memory_used_bytes", "DCGM_FI_DEV_FB_USED", 1048576.0),
+    ],
+)
+def test_dashboard_sums_count_a_shared_gpu_once(
+    scraped: Scraped, title: str, prom: str, dcgm: str, scale: float
+) -> None:
+    """The panel's sum equals one value per GPU, added up here from the raw series."""
+    at = time.time()
+    dcgm_naming = scraped.setup.naming == "dcgm"
+    family = dcgm if dcgm_naming else prom
+    uuid = "UUID" if dcgm_naming else "uuid"
+    per_gpu: dict[str, float] = {}
+    raw = scraped.values(family, at)
+    for metric, value in raw:
+        if "GPU_I_ID" not in metric and "gpu_instance_id" not in metric:
+            per_gpu[metric[uuid]] = value * (scale if dcgm_naming else 1.0)
+    assert len(per_gpu) == 8
+    [(_, shown)] = scraped.values(_panel(title), at)
+    assert shown == pytest.approx(sum(per_gpu.values()), rel=1e-9)
+    naive = sum(v for _, v in raw) * (scale if dcgm_naming else 1.0)
+    if dcgm_naming:  # GPU 0's series is there once per holder: a plain sum counts it 3 times
+        assert len(raw) == 8 + 2
+        gpu0 = next(v for m, v in raw if m["gpu"] == "0") * scale
+        assert naive == pytest.approx(shown + 2 * gpu0, rel=1e-9)
+        print(f"{title}: panel {shown:.6g}, plain sum {naive:.6g} ({scraped.setup.id})")
+    else:
+        assert naive == pytest.approx(shown, rel=1e-9)
+
+
+def test_dashboard_utilization_averages_whole_gpus(scraped: Scraped) -> None:
+    at = time.time()
+    dcgm_naming = scraped.setup.naming == "dcgm"
+    family = "DCGM_FI_DEV_GPU_UTIL" if dcgm_naming else "gpuid_gpu_utilization_ratio"
+    uuid = "UUID" if dcgm_naming else "uuid"
+    per_gpu = {m[uuid]: v / (100 if dcgm_naming else 1) for m, v in scraped.values(family, at)}
+    [(_, shown)] = scraped.values(_panel("GPU utilization"), at)
+    assert shown == pytest.approx(sum(per_gpu.values()) / len(per_gpu), rel=1e-9)

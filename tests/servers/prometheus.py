@@ -130,8 +130,9 @@ class PrometheusServer:
         assert body["status"] == "success", body
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        data = self.api("query", **params)
         result: list[dict[str, Any]] = data["result"]
         return result
 
