@@ -106,9 +106,11 @@ async def test_created_series_only_when_asked(created: bool) -> None:
     async with scraping(metrics_created_series=created) as get:
         _, text = await get("/metrics")
         content_type, om = await get("/metrics", accept=OPENMETRICS)
+        _, gpu = await get("/gpu/metrics", accept=OPENMETRICS)
     assert content_type.startswith("application/openmetrics-text")
     samples = [s.name for f in parse_om(om) for s in f.samples]
     assert "gpuid_export_success_total" in samples
     with_created = [n for n in samples if n.endswith("_created")]
     assert bool(with_created) is created
     assert ("_created" in text) is created
+    assert "gpuid_gpu_energy_joules_total{" in gpu and "_created" not in gpu

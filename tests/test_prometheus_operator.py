@@ -126,7 +126,7 @@ def scraped(request: pytest.FixtureRequest, prometheus_ready: None) -> Iterator[
             _until(scraped, "up", 1)
             gpu_family = "DCGM_FI_DEV_GPU_UTIL" if setup.naming == "dcgm" else "gpuid_gpu_info"
             _until(scraped, gpu_family, 8)
-            time.sleep(5)  # several scrapes of each endpoint
+            time.sleep(8)  # several scrapes of each endpoint
             yield scraped
     finally:
         agent.terminate()
@@ -146,7 +146,7 @@ def test_each_endpoint_has_its_own_up(scraped: Scraped) -> None:
     assert all(value == 1 for _, value in up)
     # one series per endpoint, scraped once a second: ~10 samples in 10s, not ~20 merged
     for metric, count in scraped.values("count_over_time(up[10s])"):
-        assert 5 <= count <= 11, (metric, count)
+        assert 3 <= count <= 11, (metric, count)
     scraped_samples = dict(
         (m["endpoint"], v) for m, v in scraped.values("max_over_time(scrape_samples_scraped[5s])")
     )
@@ -154,6 +154,8 @@ def test_each_endpoint_has_its_own_up(scraped: Scraped) -> None:
         (m["endpoint"], v) for m, v in scraped.values("min_over_time(scrape_samples_scraped[5s])")
     )
     assert scraped_samples == steady, "scrape_samples_scraped alternates: endpoints merged"
+    counts = {m["endpoint"]: v for m, v in scraped.values("count_over_time(up[10s])")}
+    print(f"{scraped.setup.id}: up samples in 10s {counts}, samples/scrape {scraped_samples}")
     assert scraped_samples["metrics"] != scraped_samples["gpu-metrics"]
 
 
