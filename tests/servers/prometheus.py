@@ -52,13 +52,30 @@ def unavailable() -> str | None:
             ["apt-get", "update"],
             ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"],
         )
-        for argv in steps:
-            done = subprocess.run(
-                argv, env=env, capture_output=True, text=True, timeout=_INSTALL_TIMEOUT
-            )
-            if done.returncode != 0:
-                return f"`{' '.join(argv)}` failed: {done.stderr.strip()[-300:]}"
+        with _no_service_start():
+            for argv in steps:
+                done = subprocess.run(
+                    argv, env=env, capture_output=True, text=True, timeout=_INSTALL_TIMEOUT
+                )
+                if done.returncode != 0:
+                    return f"`{' '.join(argv)}` failed: {done.stderr.strip()[-300:]}"
     return None if _present() else "the prometheus package did not provide promtool"
+
+
+@contextlib.contextmanager
+def _no_service_start() -> Iterator[None]:
+    """The package's own service must not start (it would listen on every address): a
+    policy-rc.d that refuses, as container images use, unless one is already there."""
+    policy = Path("/usr/sbin/policy-rc.d")
+    if policy.exists():
+        yield
+        return
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    try:
+        yield
+    finally:
+        policy.unlink(missing_ok=True)
 
 
 def promtool(
