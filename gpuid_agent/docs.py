@@ -170,11 +170,14 @@ def configuration_page() -> str:
 _SERIES_SUFFIX = {"counter": "_total", "info": "_info"}
 
 
-def _wrappers(metrics: AgentMetrics) -> dict[str, MetricWrapperBase]:
+def _wrappers(metrics: object) -> dict[str, MetricWrapperBase]:
+    """Every metric of the agent by name, the groups' (labels, attribution) included."""
     found: dict[str, MetricWrapperBase] = {}
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             found[value._name] = value
+        elif type(value).__module__ == AgentMetrics.__module__:
+            found |= _wrappers(value)
     return found
 
 

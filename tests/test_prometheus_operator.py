@@ -239,3 +239,33 @@ def test_dashboard_utilization_averages_whole_gpus(scraped: Scraped) -> None:
     per_gpu = {m[uuid]: v / (100 if dcgm_naming else 1) for m, v in scraped.values(family, at)}
     [(_, shown)] = scraped.values(_panel("GPU utilization"), at)
     assert shown == pytest.approx(sum(per_gpu.values()) / len(per_gpu), rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["ServiceMonitor", "PodMonitor"])
+@pytest.mark.parametrize("honor", [True, False])
+def test_rendered_monitors_separate_the_endpoints(kind: str, honor: bool) -> None:
+    """The rendered objects alone (no Prometheus needed): what the scrape test relies on."""
+    values = {
+        "monitoring": {
+            "podMonitor": {"enabled": kind == "PodMonitor"},
+            "serviceMonitor": {"enabled": kind == "ServiceMonitor"},
+            "gpuMetrics": {"honorLabels": honor},
+        }
+    }
+    result = render(values, kube_version=newest_supported(), api_versions=PROMETHEUS_OPERATOR)
+    spec = result.one(kind)["spec"]
+    endpoints = spec["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+    by_path = {e["path"]: e for e in endpoints}
+    assert set(by_path) == {"/metrics", "/gpu/metrics"}
+
+    def endpoint_label(e: dict[str, Any]) -> str:
+        [rule] = [r for r in e["relabelings"] if r.get("targetLabel") == "endpoint"]
+        return str(rule["replacement"])
+
+    assert endpoint_label(by_path["/metrics"]) == "metrics"
+    assert endpoint_label(by_path["/gpu/metrics"]) == "gpu-metrics"
+    assert by_path["/gpu/metrics"]["honorLabels"] is honor
+    assert not by_path["/metrics"].get("honorLabels", False)
+    drops = [r for r in by_path["/gpu/metrics"]["relabelings"] if r.get("action") == "labeldrop"]
+    assert [d["regex"] for d in drops] == ["pod|namespace|container"]
+    assert not any(r.get("action") == "labeldrop" for r in by_path["/metrics"]["relabelings"])
