@@ -8,13 +8,18 @@ worker retries at) with the target labels the ServiceMonitor adds.
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from gpuid_agent.docs import _wrappers
+from gpuid_agent.node.labels.policy import REASONS
+from gpuid_agent.runtime.metrics import COLLECTION_ERROR_REASONS, DROP_REASONS, AgentMetrics
 from tests.chart_render import CHART, PROMETHEUS_OPERATOR, load_values, newest_supported, render
 from tests.servers import prometheus
 
@@ -104,3 +109,42 @@ def test_a_failing_unit_test_fails(promtool_ready: None, rules_dir: Path) -> Non
     done = prometheus.promtool("test", "rules", "wrong.test.yaml", cwd=rules_dir)
     assert done.returncode != 0
     assert "GpuidNvmlDown" in done.stdout + done.stderr
+
+
+# Labels the ServiceMonitor's target (or the PodMonitor's) adds to /metrics series.
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "node", "container", "endpoint", "service"}
+_SERIES = re.compile(r"^([a-zA-Z_:][\w:]*)\{(.*)\}$")
+_LABEL = re.compile(r'(\w+)="((?:\\.|[^"\\])*)"')
+KNOWN_VALUES = {
+    ("gpuid_dropped_records_total", "reason"): set(DROP_REASONS),
+    ("gpuid_collection_errors_total", "reason"): set(COLLECTION_ERROR_REASONS),
+    ("gpuid_label_reconcile_errors_total", "reason"): set(REASONS),
+}
+
+
+def input_series() -> Iterator[tuple[str, str]]:
+    for unit in UNIT_TESTS:
+        for case in yaml.safe_load(unit.read_text())["tests"]:
+            for series in case.get("input_series", []):
+                yield unit.name, series["series"]
+
+
+def test_unit_tests_use_series_the_agent_emits() -> None:
+    """Names, label names and label values as the agent exposes them (a rename breaks this)."""
+    wrappers = _wrappers(AgentMetrics())
+    exposed = {
+        wrapper._name + ("_total" if wrapper._type == "counter" else ""): set(wrapper._labelnames)
+        for wrapper in wrappers.values()
+    }
+    checked = 0
+    for unit, series in input_series():
+        match = _SERIES.match(series)
+        assert match, f"{unit}: {series}"
+        name, labels = match.group(1), dict(_LABEL.findall(match.group(2)))
+        assert name in exposed, f"{unit}: {name} is not a /metrics series"
+        assert set(labels) - TARGET_LABELS == exposed[name], f"{unit}: {series}"
+        for (metric, label), known in KNOWN_VALUES.items():
+            if name == metric:
+                assert labels[label] in known, f"{unit}: {label}={labels[label]} never emitted"
+        checked += 1
+    assert checked >= 20
