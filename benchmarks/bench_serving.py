@@ -189,6 +189,7 @@ class _OnLoop:
         self.rendered = gpu_metrics.EMPTY
         self.seq = 0
         self.renders = 0
+        self.openmetrics_offered = True
 
     def text(self) -> bytes:
         return self.rendered.text

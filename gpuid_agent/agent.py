@@ -29,7 +29,7 @@ from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.errors import ConfigError
-from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.metrics import AgentMetrics, exposition_registry
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.app import build_app
@@ -132,7 +132,8 @@ class Agent:
         return self.identity.machine
 
     async def _serve(self) -> None:
-        app = build_app(self.page, self.renderer, self.registry)
+        served = exposition_registry(self.registry, self.settings.metrics_created_series)
+        app = build_app(self.page, self.renderer, served)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         s = self.settings

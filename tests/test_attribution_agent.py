@@ -194,9 +194,8 @@ async def test_device_id_scenarios(
         families = await scrape(agent)
     assert holders(families, scenario.family) == want
     assert not agent.attributor.current.unmapped
-    uuid, gi = ("UUID", "GPU_I_ID") if naming == "dcgm" else ("uuid", "gpu_instance_id")
-    for s in families["gpuid_gpu_holders"].samples:
-        key = (s.labels[uuid], s.labels[gi])
+    for s in families["gpuid_gpu_holders"].samples:  # a gpuid_* family: snake_case labels
+        key = (s.labels["uuid"], s.labels["gpu_instance_id"])
         assert s.value == len(want[key] - NOBODY), key
 
 

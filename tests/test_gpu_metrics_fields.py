@@ -138,7 +138,8 @@ async def test_fields_in_both_namings(fake_nvml: FakeNvml, naming: str) -> None:
             continue
         name = spec.dcgm_name if dcgm else spec.prom_name
         family = families[name.removesuffix("_total") if spec.counter and not dcgm else name]
-        assert family.type == ("counter" if spec.counter and not dcgm else "gauge"), name
+        counter = spec.dcgm_counter if dcgm else spec.counter  # dcgm-exporter's types
+        assert family.type == ("counter" if counter else "gauge"), name
         by_gpu = {s.labels[uuid_label]: s.value for s in family.samples}
         scale = spec.dcgm_scale if dcgm else spec.prom_scale
         for gpu in config.gpus:

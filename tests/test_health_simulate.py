@@ -215,4 +215,7 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
         families = rendered()
         assert last_xid()["0"] == 0
         states = families["gpuid_gpu_health_state"].samples
-        assert all("UUID" in s.labels and "modelName" in s.labels for s in states)
+        # gpuid_* families keep snake_case labels; DCGM_* ones dcgm-exporter's
+        assert all("uuid" in s.labels and "model_name" in s.labels for s in states)
+        xid = families["DCGM_FI_DEV_XID_ERRORS"].samples
+        assert all("UUID" in s.labels and "modelName" in s.labels for s in xid)

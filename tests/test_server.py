@@ -59,7 +59,7 @@ async def test_endpoints_on_a_simulated_gb200_node() -> None:
 
         async with http.get(_url(agent, "/metrics")) as resp:
             own = {f.name: f for f in text_string_to_metric_families(await resp.text())}
-        assert own["gpuid_gpu_count"].samples[0].value == 4
+        assert own["gpuid_gpus"].samples[0].value == 4
         assert own["gpuid_build_info"].samples[0].value == 1
         delivered = [s for s in own["gpuid_export_success"].samples if s.name.endswith("_total")]
         assert delivered[0].labels == {"exporter": "stdout"} and delivered[0].value >= 1

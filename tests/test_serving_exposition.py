@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
 from gpuid_agent.serving import gpu_metrics
-from gpuid_agent.serving.text_exposition import write_text
+from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
 from gpuid_agent.state.attribution.model import Attribution, Holder
 from gpuid_agent.state.inventory import build_inventory
 
@@ -82,7 +82,33 @@ def test_same_bytes_as_prometheus_client(
         attribution=Attribution("current", by_device=by_device),
         options=options,
     )
-    assert write_text(families) == generate_latest(gpu_metrics.as_registry(families))
+    assert write_text(families) == reference(families)
+
+
+def reference(families: list[Metric]) -> bytes:
+    """generate_latest's bytes. It cannot write a counter without `_total` (dcgm-exporter's
+    counters): such a family goes through as a gauge, and its TYPE line is set back."""
+    bare = {f.name for f in families if isinstance(f, BareCounterFamily)}
+    as_gauges = []
+    for family in families:
+        if family.name in bare:
+            gauge = Metric(family.name, family.documentation, "gauge")
+            gauge.samples = family.samples
+            family = gauge
+        as_gauges.append(family)
+    text = generate_latest(gpu_metrics.as_registry(as_gauges)).decode()
+    for name in bare:
+        text = text.replace(f"# TYPE {name} gauge\n", f"# TYPE {name} counter\n")
+    return text.encode()
+
+
+def test_dcgm_counters_keep_their_bare_names() -> None:
+    inv = inventory(False)
+    samples = {"GPU-a": GpuSample("GPU-a", {"energy_mj": 5.0, "pcie_replay": 2.0})}
+    text = write_text(gpu_metrics.collect(inv, samples, "dcgm")).decode()
+    assert "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n" in text
+    assert "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter\n" in text
+    assert "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{" in text and "_total" not in text
 
 
 def test_families_it_does_not_handle_are_refused() -> None:

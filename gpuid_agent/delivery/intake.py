@@ -94,6 +94,7 @@ class WorkerIntake:
         self.set_aside_batches = 0
         self.max_memory_records = 0
         name = exporter.name
+        metrics.add_exporter(name)
         self._depth = metrics.queue_depth.labels(name)
         self._spool_bytes = metrics.spool_bytes.labels(name)
         self._spool_batches = metrics.spool_batches.labels(name)

@@ -276,6 +276,9 @@ class Settings(OtelSettings):
     metrics_naming: Literal["prometheus", "dcgm"] = Field(
         "prometheus", description="Field and label names of /gpu/metrics."
     )
+    metrics_created_series: bool = Field(
+        False, description="Serve the `_created` series of /metrics counters and histograms."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )

@@ -7,12 +7,32 @@ process, which the tests and the benchmark rely on.
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from gpuid_agent import __version__
 
 _EXPORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Every label value the agent can give these counters. Their series exist at 0 from the
+# start: `increase()` cannot see the first event of a series that appears with it, so an
+# alert on the first dropped record needs the 0 before it.
+DROP_REASONS = (
+    "intake_full",
+    "buffer_full",
+    "spool_full",
+    "spool_unwritable",
+    "store_full",
+    "rejected",
+    "unreadable",
+    "shutdown",
+)
+COLLECTION_ERROR_REASONS = ("field", "gpu_lost", "init", "read", "stalled")
+# old name → new name; served alongside for one release (docs/metrics.md says so)
+DEPRECATED_ALIASES = {"gpuid_gpu_count": "gpuid_gpus"}
 
 
 class AgentMetrics:
@@ -23,7 +43,11 @@ class AgentMetrics:
             "gpuid_build_info", "Agent build information.", ["version", "python"], registry=r
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
-        self.gpu_count = Gauge("gpuid_gpu_count", "GPUs NVML reports on this node.", registry=r)
+        self.gpus = Gauge("gpuid_gpus", "GPUs NVML reports on this node.", registry=r)
+        # the old name ends in _count, which reads as a histogram's; kept one more release
+        self.gpu_count_deprecated = Gauge(
+            "gpuid_gpu_count", "Deprecated: use gpuid_gpus (same value).", registry=r
+        )
         self.nvml_up = Gauge(
             "gpuid_nvml_up", "1 when NVML is initialised and readable.", registry=r
         )
@@ -33,6 +57,8 @@ class AgentMetrics:
         self.collection_errors = Counter(
             "gpuid_collection_errors_total", "Failed NVML reads by reason.", ["reason"], registry=r
         )
+        for reason in COLLECTION_ERROR_REASONS:
+            self.collection_errors.labels(reason)
         self.records_emitted = Counter(
             "gpuid_records_emitted_total", "Records handed to the exporters.", ["kind"], registry=r
         )
@@ -117,6 +143,46 @@ class AgentMetrics:
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
         )
+
+    def set_gpus(self, count: int) -> None:
+        self.gpus.set(count)
+        self.gpu_count_deprecated.set(count)
+
+    def add_exporter(self, name: str) -> None:
+        """Create the exporter's counter series at 0, so alerts see its first event."""
+        for counter in (
+            self.export_success,
+            self.exported_records,
+            self.export_retries,
+            self.set_aside_batches,
+        ):
+            counter.labels(name)
+        for reason in DROP_REASONS:
+            self.dropped_records.labels(name, reason)
+
+
+class _WithoutCreated(Collector):
+    """The registry's families minus the `_created` series of counters and histograms: a
+    series per label set that says when the agent started, which nobody queries."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if s.name != created]
+            yield kept
+
+
+def exposition_registry(registry: CollectorRegistry, created: bool) -> CollectorRegistry:
+    """What /metrics serves: the registry itself, or a view without `_created` series."""
+    if created:
+        return registry
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_WithoutCreated(registry))
+    return view
 
 
 class LabelMetrics:

@@ -29,6 +29,8 @@ class MetricsView(Protocol):
     """The /gpu/metrics bodies: the text format is always ready; OpenMetrics is made on
     the first request for a snapshot (off the loop) and awaited by the scrapes that want it."""
 
+    @property
+    def openmetrics_offered(self) -> bool: ...
     def text(self) -> bytes: ...
     async def openmetrics(self) -> bytes: ...
 
@@ -49,7 +51,7 @@ def build_app(
     page: HealthView, renderer: MetricsView, registry: CollectorRegistry
 ) -> web.Application:
     async def gpu_metrics(request: web.Request) -> web.Response:
-        if _wants_openmetrics(request):
+        if renderer.openmetrics_offered and _wants_openmetrics(request):
             body = await renderer.openmetrics()
             return web.Response(body=body, headers={"Content-Type": OPENMETRICS})
         return web.Response(body=renderer.text(), headers={"Content-Type": TEXT})

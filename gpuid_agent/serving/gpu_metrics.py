@@ -50,7 +50,7 @@ from gpuid_agent.serving.metrics_fields import (
     pod_label_name,
 )
 from gpuid_agent.serving.share_families import build_share_families
-from gpuid_agent.serving.text_exposition import write_text
+from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
 from gpuid_agent.state.attribution.model import Attribution, Holder
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.health.model import NodeHealth
@@ -116,8 +116,10 @@ def _holder_values(holder: Holder | None, options: RenderOptions) -> list[str]:
 
 def _family(
     spec: FieldSpec, dcgm: bool, labels: list[str]
-) -> GaugeMetricFamily | CounterMetricFamily:
+) -> GaugeMetricFamily | CounterMetricFamily | BareCounterFamily:
     if dcgm:
+        if spec.dcgm_counter:
+            return BareCounterFamily(spec.dcgm_name, spec.help, labels)
         return GaugeMetricFamily(spec.dcgm_name, spec.help, labels=labels)
     if spec.counter:
         return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
@@ -149,8 +151,9 @@ def build_families(
     options = options or RenderOptions()
     attribution = attribution or Attribution("unavailable")
 
-    def names(table: Iterable[tuple[str, str]]) -> list[str]:
-        return [d if dcgm else p for p, d in table]
+    def names(table: Iterable[tuple[str, str]], ours: bool = False) -> list[str]:
+        """Label names: dcgm-exporter's on DCGM_* families, snake_case on gpuid_* ones."""
+        return [d if dcgm and not ours else p for p, d in table]
 
     identity_names, mig_names = names(LABELS), names(MIG_LABELS)
     holder_names = names(HOLDER_LABELS)
@@ -158,20 +161,21 @@ def build_families(
         holder_names += names(WORKLOAD_LABELS)
     holder_names += [name for _, name in options.pod_labels]
     series_names = identity_names + mig_names + (holder_names if per_holder else [])
+    our_mig_names = names(MIG_LABELS, ours=True)
     info_name = "DCGM_FI_DEV_INFO" if dcgm else "gpuid_gpu_info"
     extra = ["chassis", "module_id", "driver_version"]
     info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=identity_names + extra)
     holders_family = GaugeMetricFamily(
         HOLDERS_METRIC,
         "Containers holding the GPU or MIG device (time-slicing/MPS: more than one).",
-        labels=identity_names + mig_names,
+        labels=names(LABELS, ours=True) + our_mig_names,
     )
-    join_names = names(JOIN_LABELS)
+    join_names = names(JOIN_LABELS, ours=True)
     allocation_info = GaugeMetricFamily(
         ALLOCATION_INFO,
         "One series (value 1) per container holding a GPU or MIG device; join on "
         "uuid and gpu_instance_id.",
-        labels=join_names + mig_names + holder_names,
+        labels=join_names + our_mig_names + holder_names,
     )
     by_field = {f.key: _family(f, dcgm, series_names) for f in FIELDS}
     empty_holder = _holder_values(None, options) if per_holder else []

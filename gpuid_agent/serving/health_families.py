@@ -3,8 +3,9 @@
 One series per GPU and check (and "overall") with value 1, labelled with its current state
 and suggested action: `gpuid_gpu_health_state{state="unhealthy"} == 1` finds every broken
 GPU. Only the current state is exposed, so a node costs one series per check, not five.
-The names are the same under both namings (dcgm-exporter has no equivalent), except that
-dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as dcgm-exporter reports it.
+Names and (snake_case) labels are the same under both namings (dcgm-exporter has no
+equivalent), except that dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as
+dcgm-exporter reports it, with its labels.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def build_health_families(
     inventory: NodeInventory, health: NodeHealth, naming: Naming
 ) -> list[Metric]:
     dcgm = naming == "dcgm"
-    label_names = [d if dcgm else p for p, d in LABELS]
+    label_names = [p for p, _ in LABELS]  # gpuid_* families: snake_case in either naming
     state = GaugeMetricFamily(
         HEALTH_STATE,
         "GPU health per check (and overall): 1 on the series of the current state and action.",
@@ -39,7 +40,9 @@ def build_health_families(
         "XID errors reported by the driver since the agent started, by code.",
         labels=[*label_names, "xid"],
     )
-    last_xid = GaugeMetricFamily(DCGM_XID, "Value of the last XID error seen.", labels=label_names)
+    last_xid = GaugeMetricFamily(
+        DCGM_XID, "Value of the last XID error seen.", labels=[d for _, d in LABELS]
+    )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
         gpu = by_uuid.get(gpu_health.uuid)
@@ -55,7 +58,7 @@ def build_health_families(
     node = GaugeMetricFamily(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
-        labels=["hostname" if not dcgm else "Hostname", "check", "state", "action"],
+        labels=["hostname", "check", "state", "action"],
     )
     for name, check in health.node_checks.items():
         node.add_metric([inventory.node, name, check.state, check.action], 1)

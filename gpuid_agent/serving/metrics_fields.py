@@ -25,9 +25,11 @@ class FieldSpec:
     dcgm_name: str
     dcgm_scale: float
     help: str
-    # Prometheus naming exposes a counter (prom_name ends in _total); dcgm naming keeps the
-    # bare dcgm name, so it is exposed as a gauge there (rate() works on either).
+    # Prometheus naming exposes a counter (prom_name ends in _total).
     counter: bool = False
+    # dcgm naming types it a counter as dcgm-exporter's counter file does, under the bare
+    # dcgm name (no _total: the text format allows that, and dcgm-exporter serves only it).
+    dcgm_counter: bool = False
 
 
 # Sample keys (from the NVML source) → exposed names. Prometheus naming uses base units
@@ -108,6 +110,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Energy used since the driver loaded (dcgm naming: millijoules).",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "sm_clock_mhz",
@@ -133,6 +136,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "PCIe replays.",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "ecc_sbe_volatile",
@@ -142,6 +146,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Corrected ECC errors since the driver loaded.",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "ecc_dbe_volatile",
@@ -151,6 +156,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Uncorrected ECC errors since the driver loaded.",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "ecc_sbe_aggregate",
@@ -160,6 +166,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Corrected ECC errors over the GPU's life.",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "ecc_dbe_aggregate",
@@ -169,6 +176,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Uncorrected ECC errors over the GPU's life.",
         counter=True,
+        dcgm_counter=True,
     ),
     FieldSpec(
         "remapped_rows_correctable",
@@ -177,6 +185,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
         1,
         "Rows remapped for correctable errors.",
+        dcgm_counter=True,
     ),
     FieldSpec(
         "remapped_rows_uncorrectable",
@@ -185,6 +194,7 @@ FIELDS: tuple[FieldSpec, ...] = (
         "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
         1,
         "Rows remapped for uncorrectable errors.",
+        dcgm_counter=True,
     ),
     FieldSpec(
         "row_remap_pending",

@@ -6,7 +6,9 @@ when done, and a snapshot that arrives meanwhile waits in the subscription's one
 newer one replaces it (a burst of XIDs costs one more render, not one per XID). OpenMetrics
 costs more than the text format and only some clients ask for it (Prometheus does by default;
 curl and most tools do not): it is rendered, also in a thread, the first time a client
-negotiates it for a snapshot, and shared by every scrape of that snapshot.
+negotiates it for a snapshot, and shared by every scrape of that snapshot. dcgm naming is
+served as text only, as dcgm-exporter is: its counters' names lack the `_total` OpenMetrics
+requires.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Rendered:
 class MetricsRenderer:
     def __init__(self, naming: gpu_metrics.Naming, pod_labels: Sequence[str], pods: object) -> None:
         self._naming = naming
+        self.openmetrics_offered = naming != "dcgm"
         self._options = gpu_metrics.RenderOptions(
             workload_labels=pods is not None,
             pod_labels=gpu_metrics.pod_label_columns(pod_labels),

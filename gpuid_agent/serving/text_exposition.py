@@ -9,7 +9,7 @@ Only what /gpu/metrics makes is handled: gauges and counters without timestamps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import (
@@ -18,6 +18,24 @@ from prometheus_client.openmetrics.exposition import (
     escape_metric_name,
 )
 from prometheus_client.utils import floatToGoString
+
+
+class BareCounterFamily(Metric):
+    """A counter under a name without `_total`, as dcgm-exporter names its counters. The text
+    format allows that; OpenMetrics does not, so a page holding one is served as text only."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name, documentation, "counter")
+        self._labelnames = tuple(labels)
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        self.add_sample(self.name, dict(zip(self._labelnames, labels, strict=True)), value)
+
+
+def _series_name(metric: Metric) -> str:
+    if metric.type == "counter" and not isinstance(metric, BareCounterFamily):
+        return metric.name + "_total"
+    return metric.name
 
 
 def _escape_value(value: str) -> str:
@@ -38,14 +56,12 @@ def write_text(families: Iterable[Metric]) -> bytes:
     for metric in families:
         if metric.type not in ("gauge", "counter"):
             raise ValueError(f"{metric.name}: {metric.type} families are not handled here")
-        name = metric.name + "_total" if metric.type == "counter" else metric.name
-        name = escape_metric_name(name, UNDERSCORES)
+        series = _series_name(metric)
+        name = escape_metric_name(series, UNDERSCORES)
         doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
         out.append(f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n")
         for sample in metric.samples:
-            if sample.timestamp is not None or sample.name != metric.name + (
-                "_total" if metric.type == "counter" else ""
-            ):
+            if sample.timestamp is not None or sample.name != series:
                 raise ValueError(f"{sample.name}: only plain samples are handled here")
             key = tuple(sample.labels.items())
             labels = formatted.get(key)

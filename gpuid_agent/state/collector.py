@@ -172,7 +172,7 @@ class Collector:
         self.inventory = inventory
         self.samples = with_health_fields(reading.samples, signals.values())
         self._publish("collection", transitions)
-        self._metrics.gpu_count.set(len(inventory.gpus))
+        self._metrics.set_gpus(len(inventory.gpus))
         self._metrics.nvml_up.set(1)
         if reading.lost:
             lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))

@@ -216,3 +216,37 @@ agent closes allocations that ended while it was down and sends no duplicate sta
 {{- end }}
 {{- toYaml $env }}
 {{- end }}
+
+{{/*
+The two scrape endpoints of the ServiceMonitor and the PodMonitor: (list monitorValues
+gpuMetricsValues). Both scrape the same port, so the operator's target labels alone would
+merge their `up` and scrape_* series: each gets its own `endpoint` label. /gpu/metrics drops
+the agent's own pod, namespace and container target labels, so only a GPU's holders put a
+`pod` on its series (one nobody holds has none), and honours the page's labels.
+*/}}
+{{- define "gpuid-agent.scrapeEndpoints" -}}
+{{- $m := index . 0 -}}
+{{- $gpu := index . 1 -}}
+- port: http
+  path: /metrics
+  interval: {{ $m.interval }}
+  scrapeTimeout: {{ $m.scrapeTimeout }}
+  relabelings:
+    # The node label the alert rules and dashboard group by.
+    - sourceLabels: [__meta_kubernetes_pod_node_name]
+      targetLabel: node
+    - targetLabel: endpoint
+      replacement: metrics
+- port: http
+  path: /gpu/metrics
+  interval: {{ $m.interval }}
+  scrapeTimeout: {{ $m.scrapeTimeout }}
+  honorLabels: {{ $gpu.honorLabels }}
+  relabelings:
+    - sourceLabels: [__meta_kubernetes_pod_node_name]
+      targetLabel: node
+    - targetLabel: endpoint
+      replacement: gpu-metrics
+    - action: labeldrop
+      regex: pod|namespace|container
+{{- end }}

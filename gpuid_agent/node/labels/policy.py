@@ -31,6 +31,16 @@ _BY_STATUS: dict[int, tuple[str, Retry]] = {
     429: ("throttled", "backoff"),
 }
 
+# every reason classify() and the reconciler give; the error counter starts at 0 for each
+REASONS = (
+    *sorted({reason for reason, _ in _BY_STATUS.values()}),
+    "server_error",
+    "connection",
+    "client_error",
+    "timeout",
+    "malformed",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:

@@ -26,7 +26,7 @@ from gpuid_agent.node.labels.layout import (
     is_own_label,
 )
 from gpuid_agent.node.labels.metrics import LabelMetrics
-from gpuid_agent.node.labels.policy import Failure, classify
+from gpuid_agent.node.labels.policy import REASONS, Failure, classify
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
@@ -119,6 +119,8 @@ class NodeLabeler:
         self.node = node
         self.prefix = prefix
         self.metrics = metrics
+        for reason in REASONS:
+            metrics.errors.labels(reason)
         self.board = board
         self.dry_run = mode == "dry-run"
         self.annotation = annotation
