@@ -155,6 +155,7 @@ class AgentMetrics:
             self.exported_records,
             self.export_retries,
             self.set_aside_batches,
+            self.export_rejected_records,
         ):
             counter.labels(name)
         for reason in DROP_REASONS:
