@@ -5,18 +5,22 @@ and suggested action: `gpuid_gpu_health_state{state="unhealthy"} == 1` finds eve
 GPU. Only the current state is exposed, so a node costs one series per check, not five.
 The names are the same under both namings (dcgm-exporter has no equivalent), except that
 dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as dcgm-exporter reports it.
+NVLink state and error counters are per link, so they are families of their own (a `link`
+label) under both namings.
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.model import NVLINK_COUNTERS, NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     DCGM_XID,
     HEALTH_STATE,
     LABELS,
     NODE_HEALTH_STATE,
+    NVLINK_ERRORS,
+    NVLINK_UP,
     XID_ERRORS,
     Naming,
     label_values,
@@ -40,6 +44,17 @@ def build_health_families(
         labels=[*label_names, "xid"],
     )
     last_xid = GaugeMetricFamily(DCGM_XID, "Value of the last XID error seen.", labels=label_names)
+    nvlink_up = GaugeMetricFamily(
+        NVLINK_UP,
+        "1 while the NVLink is active (GPUs with NVLink only).",
+        labels=[*label_names, "link"],
+    )
+    nvlink_errors = CounterMetricFamily(
+        NVLINK_ERRORS,
+        "NVLink data-link errors since the driver loaded, by link and counter "
+        "(replay, recovery, crc_flit, crc_data).",
+        labels=[*label_names, "link", "counter"],
+    )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
         gpu = by_uuid.get(gpu_health.uuid)
@@ -52,6 +67,11 @@ def build_health_families(
         for code, count in sorted(gpu_health.xid_counts.items()):
             xids.add_metric([*values, str(code)], count)
         last_xid.add_metric(values, gpu_health.last_xid or 0)
+        for link in gpu_health.nvlinks:
+            nvlink_up.add_metric([*values, str(link.link)], 1 if link.active else 0)
+            for counter, errors in zip(NVLINK_COUNTERS, link.errors, strict=True):
+                if errors is not None:
+                    nvlink_errors.add_metric([*values, str(link.link), counter], errors)
     node = GaugeMetricFamily(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
@@ -59,7 +79,7 @@ def build_health_families(
     )
     for name, check in health.node_checks.items():
         node.add_metric([inventory.node, name, check.state, check.action], 1)
-    families: list[Metric] = [state, node, xids]
+    families: list[Metric] = [state, node, xids, nvlink_up, nvlink_errors]
     if dcgm:
         families.append(last_xid)
     return families

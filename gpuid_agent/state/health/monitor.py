@@ -5,6 +5,7 @@ records, logs) while `snapshot()` is the current verdict (/gpu/metrics, Node con
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from gpuid_agent.model import NodeInventory
@@ -30,7 +31,11 @@ class HealthMonitor:
         board: StatusBoard,
         on_xid: Callable[[XidEvent], None],
     ) -> None:
-        self.tracker = HealthTracker(window=settings.health_window, xid_hold=settings.xid_hold)
+        self.tracker = HealthTracker(
+            window=settings.health_window,
+            xid_hold=settings.xid_hold,
+            pcie_replay_threshold=settings.pcie_replay_threshold,
+        )
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
         # long stopping the XID thread takes.
@@ -50,7 +55,9 @@ class HealthMonitor:
         allocatable: int | None,
     ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
         readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
-        signals = await nvml.run(lambda: self.reader.read(readable), "health read")
+        signals = with_telemetry(
+            await nvml.run(lambda: self.reader.read(readable), "health read"), reading
+        )
         self.xid.watch(readable)
         expected, source = (
             (self._expected, "EXPECTED_GPU_COUNT")
@@ -83,6 +90,24 @@ class HealthMonitor:
         transitions = self.tracker.record_xid(event)
         _log_transitions(transitions)
         return transitions
+
+
+def with_telemetry(
+    signals: dict[int, GpuHealthSignals], reading: NvmlReading
+) -> dict[int, GpuHealthSignals]:
+    """Signals plus what the telemetry read already has and the link check needs (busy
+    percent, PCIe replays), so no NVML call is made twice per collection."""
+    merged = {}
+    for index, sig in signals.items():
+        sample = reading.samples.get(sig.uuid)
+        values = sample.values if sample is not None else {}
+        replays, util = values.get("pcie_replay"), values.get("gpu_util")
+        merged[index] = dataclasses.replace(
+            sig,
+            pcie_replays=None if replays is None else int(replays),
+            utilization=util,
+        )
+    return merged
 
 
 def _log_transitions(transitions: list[Transition]) -> None:
