@@ -35,6 +35,8 @@ class HealthMonitor:
             window=settings.health_window,
             xid_hold=settings.xid_hold,
             pcie_replay_threshold=settings.pcie_replay_threshold,
+            xid_repeat_count=settings.xid_repeat_count,
+            xid_repeat_window=settings.xid_repeat_window,
         )
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how

@@ -16,7 +16,7 @@ Runs on the event loop only (XIDs arrive from their thread through call_soon_thr
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,7 +36,7 @@ from gpuid_agent.state.health.model import (
     Verdict,
     worst,
 )
-from gpuid_agent.state.health.xid import XidClass, classify_xid
+from gpuid_agent.state.health.xid import XidClass, classify_xid, escalate
 
 # Entering one of these states is not news when a check is first evaluated.
 _QUIET_START = ("healthy", "not_supported")
@@ -94,6 +94,7 @@ class _Gpu:
     last_xid: int | None = None
     latched: XidClass | None = None
     recent: list[tuple[float, XidClass]] = field(default_factory=list)
+    xid_times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
     pcie: PcieWatch = field(init=False)
     nvlink: NvLinkWatch = field(init=False)
     pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
@@ -114,12 +115,16 @@ class HealthTracker:
         window: float = 300.0,
         xid_hold: float = 600.0,
         pcie_replay_threshold: int = 0,
+        xid_repeat_count: int = 0,
+        xid_repeat_window: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.window = window
         self.xid_hold = xid_hold
         self.pcie_replay_threshold = pcie_replay_threshold
+        self.xid_repeat_count = xid_repeat_count
+        self.xid_repeat_window = xid_repeat_window
         self._clock = clock
         self._wall = wall
         self._gpus: dict[str, _Gpu] = {}
@@ -189,7 +194,7 @@ class HealthTracker:
         state.xid_counts[event.code] += 1
         state.last_xid = event.code
         self._snapshot = None
-        cls = classify_xid(event.code)
+        cls = self._repeated(state, classify_xid(event.code))
         if cls.state != "healthy":
             if cls.latched:
                 state.latched = rules.worst_xid([c for c in (state.latched, cls) if c])
@@ -197,6 +202,17 @@ class HealthTracker:
                 state.recent.append((self._clock(), cls))
         verdict = self._xid_verdict(state, self._clock())
         return self._apply(state, {"xid": verdict}, self._wall())
+
+    def _repeated(self, state: _Gpu, cls: XidClass) -> XidClass:
+        """`cls`, one action step stronger once its code repeated often enough."""
+        now = self._clock()
+        seen = state.xid_times.setdefault(cls.code, deque())
+        seen.append(now)
+        while seen and seen[0] <= now - self.xid_repeat_window:
+            seen.popleft()
+        if self.xid_repeat_count <= 0 or len(seen) < self.xid_repeat_count:
+            return cls
+        return escalate(cls, len(seen), rules.format_window(self.xid_repeat_window))
 
     # ---- evaluation ----------------------------------------------------------------------
 
