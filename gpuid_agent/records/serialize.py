@@ -44,6 +44,11 @@ def to_wire(record: AnyRecord) -> Record:
         return wire
     if isinstance(record, ReadingRecord):
         wire["mig_devices"] = list(record.mig_devices)
+    elif isinstance(record, HealthRecord):
+        if record.holders:
+            wire["holders"] = [dict(h) for h in record.holders]
+        else:
+            del wire["holders"]  # only a GPU someone held carries it: ids stay as they were
     wire["record_id"] = _content_id(wire)
     return wire
 

@@ -99,6 +99,8 @@ class HealthRecord:
     since: str
     gpu_state: str | None
     machine_source: str
+    # pods, containers and workloads holding the GPU at that moment (from attribution)
+    holders: tuple[dict[str, str], ...] = ()
 
 
 AnyRecord = ReadingRecord | AllocationRecord | HealthRecord

@@ -22,6 +22,7 @@ from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.state.collector import Collector
+from gpuid_agent.state.health.workloads import health_status
 
 
 class Describes(Protocol):
@@ -96,7 +97,9 @@ class StatusPage:
             "problems": problems,
             "components": self._board.as_dict(),
             "labels": parts.pop("labels", None),
-            "health": collector.health.snapshot().as_dict(),
+            "health": health_status(
+                collector.health.snapshot(), inventory, collector.attributor.current
+            ),
             "inventory": None
             if inventory is None
             else {

@@ -34,6 +34,7 @@ from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import Transition
 from gpuid_agent.state.health.monitor import HealthMonitor
+from gpuid_agent.state.health.workloads import with_holders
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
 
@@ -98,6 +99,7 @@ class Collector:
         if self.inventory is None:
             return
         attribution = self.attributor.refresh(self.inventory)
+        joined = with_holders(transitions or (), self.inventory, attribution)
         self._seq += 1
         self.bus.publish(
             NodeSnapshot(
@@ -107,7 +109,7 @@ class Collector:
                 samples=self.samples,
                 health=self.health.snapshot(),
                 attribution=attribution,
-                transitions=tuple(transitions or ()),
+                transitions=joined,
                 pods_ready=self.attributor.pods_ready,
             )
         )

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
 from gpuid_agent.model import HealthState, NvLink, PcieLink
+from gpuid_agent.state.attribution.model import Holder
 
 CheckState = Literal["healthy", "degraded", "unhealthy", "not_supported", "unknown"]
 Action = Literal["none", "check_workload", "reboot", "hardware_inspection"]
@@ -159,3 +160,5 @@ class Transition:
     uuid: str | None = None
     index: int | None = None
     gpu_state: HealthState | None = None
+    # who held the GPU (or one of its MIG devices) when it happened; joined by the collector
+    holders: tuple[Holder, ...] = ()
