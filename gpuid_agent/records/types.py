@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SCHEMA_VERSION = 1
-Kind = Literal["reading", "allocation", "health"]
+Kind = Literal["reading", "allocation", "health", "hardware"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,4 +103,27 @@ class HealthRecord:
     holders: tuple[dict[str, str], ...] = ()
 
 
-AnyRecord = ReadingRecord | AllocationRecord | HealthRecord
+@dataclass(frozen=True, slots=True)
+class HardwareRecord:
+    """A physical GPU changed under the node: replaced at a PCI bus id, added or removed."""
+
+    schema_version: int
+    kind: Literal["hardware"]
+    record_id: str
+    event: Literal["replaced", "added", "removed"]
+    cluster: str
+    node: str
+    machine: str
+    machine_source: str
+    source: str
+    chassis: str
+    gpu: str  # the serial now in the slot (the old one for "removed")
+    read_time: str
+    pci_bus_id: str
+    old_serial: str | None
+    new_serial: str | None
+    uuid: str | None  # the new GPU's UUID
+    index: int | None
+
+
+AnyRecord = ReadingRecord | AllocationRecord | HealthRecord | HardwareRecord

@@ -47,7 +47,7 @@ class StatusPage:
         self._collector = collector
         self._pipeline = pipeline
         self._metrics = metrics
-        self._parts = parts  # labels, pods, trail: each one's own part of /status
+        self._parts = parts  # labels, pods, trail, hardware: each one's own part
         self.started_at = datetime.now(UTC)
 
     def liveness(self) -> tuple[bool, list[str]]:
@@ -97,6 +97,7 @@ class StatusPage:
             "problems": problems,
             "components": self._board.as_dict(),
             "labels": parts.pop("labels", None),
+            "hardware": parts.pop("hardware", None),
             "health": health_status(
                 collector.health.snapshot(), inventory, collector.attributor.current
             ),
