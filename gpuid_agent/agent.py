@@ -176,8 +176,9 @@ class Agent:
 
         sup = self.supervisor
         await sup.stop("collector", "pod-resources", "pods", "attribution", "readiness")
+        self.collector.release_held()
         self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
-        for name in ("emitter", "health-records", "allocations", "render"):
+        for name in ("emitter", "health-records", "allocations", "hardware", "render"):
             if not await sup.wait(name, left()):
                 await sup.stop(name)
         for worker in self.pipeline.workers:

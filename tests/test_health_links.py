@@ -175,6 +175,11 @@ async def test_simulated_link_faults_show_as_health() -> None:
         await eventually(lambda: len(_health(out)) >= 4)
         health = {(r["check"], r["index"]): r for r in _health(out)}
         assert health[("pcie", 1)]["state"] == "degraded"
+        # a fault there from the start still names who held the GPU: its transition waited
+        # for the kubelet's first answer
+        assert health[("pcie", 1)]["holders"] == [
+            {"namespace": "ml", "pod": "train-0", "container": "trainer"}
+        ]
         assert health[("nvlink", 0)]["reason"] == "NVLink 3 down"
 
 

@@ -40,6 +40,7 @@ from gpuid_agent.state.snapshot import Cause, NodeSnapshot
 
 _log = log.get("collector")
 NVML_BACKOFF_MAX = 300.0
+JOIN_WAIT = 15.0  # longest a transition waits at start for the kubelet and pod metadata
 
 
 @dataclass(slots=True)
@@ -84,6 +85,9 @@ class Collector:
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self._seq = 0
+        self._held: list[Transition] = []  # transitions waiting for the first attribution
+        self._settled = False
+        self._started: float | None = None
         self._busy_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # GPUs the kubelet can allocate (None without GetAllocatableResources); compared with
@@ -99,7 +103,11 @@ class Collector:
         if self.inventory is None:
             return
         attribution = self.attributor.refresh(self.inventory)
-        joined = with_holders(transitions or (), self.inventory, attribution)
+        self._held.extend(transitions or ())
+        joined: tuple[Transition, ...] = ()
+        if self._joinable():
+            joined = with_holders(self._held, self.inventory, attribution)
+            self._held = []
         self._seq += 1
         self.bus.publish(
             NodeSnapshot(
@@ -113,6 +121,28 @@ class Collector:
                 pods_ready=self.attributor.pods_ready,
             )
         )
+
+    def _joinable(self) -> bool:
+        """Whether transitions can be joined to their holders now. At start the kubelet (its
+        first poll, whatever the outcome) and the pod metadata may not have answered yet:
+        transitions wait for them, at most JOIN_WAIT, so the first records name who held the
+        GPU. Later, what is known at the moment is used."""
+        if self._settled:
+            return True
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
+        polled = self.attributor.source.polled.is_set()
+        ready = polled and self.attributor.pods_ready
+        if ready or now - self._started >= JOIN_WAIT:
+            self._settled = True
+        return self._settled
+
+    def release_held(self) -> None:
+        """Publish transitions still waiting for attribution (at shutdown)."""
+        self._settled = True
+        if self._held:
+            self._publish("collection")
 
     # ---- collection ------------------------------------------------------------------------
 
