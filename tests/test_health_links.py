@@ -150,7 +150,7 @@ async def test_nvlink_down_and_errors_name_the_link_and_pcie_cards_are_not_appli
             for s in _samples(text, "gpuid_gpu_nvlink_errors")
             if s.labels["counter"] == "crc_flit" and s.value
         ]
-        assert [(s.labels["gpu"], s.labels["link"], s.value) for s in crc] == [("2", "5", 12.0)]
+        assert [(s.labels["gpu"], s.value) for s in crc] == [("2", 12.0)]  # over all links
         assert not run.health(check="nvlink", index=3)
 
 

@@ -5,8 +5,8 @@ and suggested action: `gpuid_gpu_health_state{state="unhealthy"} == 1` finds eve
 GPU. Only the current state is exposed, so a node costs one series per check, not five.
 The names are the same under both namings (dcgm-exporter has no equivalent), except that
 dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as dcgm-exporter reports it.
-NVLink state and error counters are per link, so they are families of their own (a `link`
-label) under both namings.
+NVLink state is per link (a `link` label) and error counters per GPU and counter, families of
+their own under both namings.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def build_health_families(
         "1 while the NVLink is active (GPUs with NVLink only).",
         labels=[*label_names, "link"],
     )
+    # Summed over the GPU's links: 4 series per GPU rather than 72; the health check and
+    # /status name the link whose counters grow.
     nvlink_errors = CounterMetricFamily(
         NVLINK_ERRORS,
-        "NVLink data-link errors since the driver loaded, by link and counter "
-        "(replay, recovery, crc_flit, crc_data).",
-        labels=[*label_names, "link", "counter"],
+        "NVLink data-link errors since the driver loaded, over all links of the GPU, by "
+        "counter (replay, recovery, crc_flit, crc_data).",
+        labels=[*label_names, "counter"],
     )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
@@ -67,11 +69,14 @@ def build_health_families(
         for code, count in sorted(gpu_health.xid_counts.items()):
             xids.add_metric([*values, str(code)], count)
         last_xid.add_metric(values, gpu_health.last_xid or 0)
+        totals: dict[str, int] = {}
         for link in gpu_health.nvlinks:
             nvlink_up.add_metric([*values, str(link.link)], 1 if link.active else 0)
             for counter, errors in zip(NVLINK_COUNTERS, link.errors, strict=True):
                 if errors is not None:
-                    nvlink_errors.add_metric([*values, str(link.link), counter], errors)
+                    totals[counter] = totals.get(counter, 0) + errors
+        for counter, total in totals.items():
+            nvlink_errors.add_metric([*values, counter], total)
     node = GaugeMetricFamily(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
