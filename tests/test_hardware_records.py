@@ -153,3 +153,17 @@ async def test_a_replaced_gpu_is_one_record_across_restarts(
     assert record["machine"] and record["gpu"] == "1652423099999"
     assert record["uuid"] == "GPU-00000000-0000-4000-8000-00000000beef"
     assert await _run_once(fake_nvml, config, tmp_path) == []  # told once
+
+
+async def test_a_simulated_replacement_is_one_record(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    s = settings(simulate="h100x8", fault="gpu-replaced:gpu3@0.5s", state_dir=str(tmp_path))
+    agent = Agent(s, exporters=[StdoutExporter(out)])
+    async with running_agent(agent):
+        await eventually(lambda: b'"kind":"hardware"' in out.getvalue())
+        await eventually(lambda: not agent.hardware.pending)
+    rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    [record] = [r for r in rows if r["kind"] == "hardware"]
+    assert (record["event"], record["index"]) == ("replaced", 3)
+    assert record["new_serial"].endswith("9999") and record["old_serial"] != record["new_serial"]
+    assert record["uuid"].endswith("beef") and record["machine"] == "sim-node-a"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gpuid_agent import docs
 from gpuid_agent.model import GpuIdentity
+from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.sources.nvml.signals import XidEvent
 from gpuid_agent.state.health.model import ACTIONS
 from gpuid_agent.state.health.tracker import HealthTracker
@@ -25,6 +26,10 @@ from gpuid_agent.state.health.xid import (
     escalate,
     parse_catalog,
 )
+from tests import fakenvml
+from tests.conftest import eventually, settings
+from tests.fakenvml.fixtures import FakeNvml
+from tests.test_health_nvml import agent_on
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RAW = resources.files("gpuid_agent.state.health").joinpath(CATALOG_FILE).read_text("utf-8")
@@ -190,3 +195,27 @@ def test_docs_health_md_carries_the_table_the_data_file_gives() -> None:
 def test_the_page_generator_refuses_a_page_without_markers() -> None:
     with pytest.raises(ValueError, match="markers"):
         docs.health_page("# Health\n")
+
+
+async def test_repeats_and_unknown_codes_through_the_driver(fake_nvml: FakeNvml) -> None:
+    config = fakenvml.h100x8()
+    config.gpus = config.gpus[:2]
+    async with agent_on(fake_nvml, config, xid_repeat_count=3, xid_repeat_window=3600) as run:
+        await eventually(lambda: run.agent.xid.alive)
+        config.gpus[0].xids = [(13, 0), (13, 1), (13, 2)]
+        config.gpus[1].xids = [(4242, 0)]
+        fake_nvml.apply(config)
+        await eventually(lambda: run.check(0, "xid").action == "reboot")
+        records = await run.settled_health(3, check="xid")
+    by_gpu = {(r["index"], r["action"]): r["reason"] for r in records}
+    assert by_gpu[(0, "check_workload")].startswith("XID 13: graphics engine exception")
+    assert "(seen 3 times in 1h)" in by_gpu[(0, "reboot")]
+    assert by_gpu[(1, "check_workload")].startswith("XID 4242: unknown XID")
+    assert run.agent.health.snapshot().gpus[1].xid_counts == {4242: 1}
+
+
+def test_repeat_settings_are_validated_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match="XID_REPEAT_COUNT"):
+        settings(xid_repeat_count=-1)
+    with pytest.raises(ConfigError, match="PCIE_REPLAY_THRESHOLD"):
+        settings(pcie_replay_threshold="many")

@@ -3,8 +3,9 @@
 Kinds: `xid<code>` (an XID event), `lost`, `remap-pending`, `remap-failure`, `ecc-growth`,
 `ecc-uncorrected`, `retired-pending`, `thermal`, `power-brake`, `hw-slowdown`,
 `persistence-off`, `fabric-degraded`, `pcie-down` (link trained to half its width),
-`pcie-gen` (link below its generation while busy), `pcie-replay` (replays growing), and the
-per-link `nvlink-down:gpu<N>:<link>` and `nvlink-errors:gpu<N>:<link>`. The optional delay
+`pcie-gen` (link below its generation while busy), `pcie-replay` (replays growing),
+`gpu-replaced` (another serial and UUID in the slot), and the per-link
+`nvlink-down:gpu<N>:<link>` and `nvlink-errors:gpu<N>:<link>`. The optional delay
 (`@30s`, `@2m`) starts the fault that long after the agent starts, so a demo shows the
 transition.
 
@@ -33,6 +34,7 @@ FAULT_KINDS = (
     "pcie-replay",
     "nvlink-down",
     "nvlink-errors",
+    "gpu-replaced",
 )
 LINK_KINDS = frozenset({"nvlink-down", "nvlink-errors"})
 _SPEC = re.compile(

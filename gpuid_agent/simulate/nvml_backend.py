@@ -82,13 +82,18 @@ class SimulatedNvml:
     def uuid(self, handle: Any) -> str:
         if isinstance(handle, SimMig):
             return handle.uuid
-        return self._gpu(handle).uuid
+        gpu = self._gpu(handle)
+        if self._fault(gpu, "gpu-replaced"):  # another board in the slot: a new UUID too
+            return gpu.uuid[:-4] + "beef"
+        return gpu.uuid
 
     def serial(self, handle: Any) -> str:
-        serial = self._gpu(handle).serial
-        if serial is None:
+        gpu = self._gpu(handle)
+        if gpu.serial is None:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return serial
+        if self._fault(gpu, "gpu-replaced"):
+            return gpu.serial[:-4] + "9999"
+        return gpu.serial
 
     def name(self, handle: Any) -> str:
         if isinstance(handle, SimMig):
