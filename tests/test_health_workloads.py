@@ -38,6 +38,7 @@ async def test_an_xid_record_and_status_name_the_pods_and_workloads_on_the_gpu(
     kube: FakeKube,
     kubeconfig: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     pods = workloads(kube)
@@ -85,5 +86,12 @@ async def test_an_xid_record_and_status_name_the_pods_and_workloads_on_the_gpu(
     gpus = status["health"]["gpus"]
     assert gpus[1]["state"] == "unhealthy" and gpus[1]["holders"] == record["holders"]
     assert "holders" not in gpus[0]  # healthy: nothing to join
+    # the transition's log line names them too
+    logged = [
+        getattr(r, "holders", None)
+        for r in caplog.records
+        if r.getMessage() == "GPU health: xid is unhealthy"
+    ]
+    assert logged == [["default/db-0/main", "default/ghost/side"]]
     # a record of a GPU nobody held carries no holders at all (its id is as before)
     assert all("holders" not in r for r in _health(out) if r["index"] != 1)

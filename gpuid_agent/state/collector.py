@@ -33,7 +33,7 @@ from gpuid_agent.state.attribution import count_allocatable_gpus
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import Transition
-from gpuid_agent.state.health.monitor import HealthMonitor
+from gpuid_agent.state.health.monitor import HealthMonitor, log_transitions
 from gpuid_agent.state.health.workloads import with_holders
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
@@ -108,6 +108,7 @@ class Collector:
         if self._joinable():
             joined = with_holders(self._held, self.inventory, attribution)
             self._held = []
+            log_transitions(joined)
         self._seq += 1
         self.bus.publish(
             NodeSnapshot(

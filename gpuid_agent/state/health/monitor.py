@@ -1,12 +1,13 @@
 """GPU health in one place: the signals read each collection, the XID watcher, and the
 tracker that judges them. The collector calls `check` once per collection and `record_xid`
 per event; both return the check transitions, which travel in the next snapshot (health
-records, logs) while `snapshot()` is the current verdict (/gpu/metrics, Node conditions)."""
+records; logs once joined to the GPU's holders) while `snapshot()` is the current verdict
+(/gpu/metrics, Node conditions)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
@@ -79,7 +80,6 @@ class HealthMonitor:
             self._board.set("health", "degraded", self.xid.unavailable)
         else:
             self._board.set("health", "ok")
-        _log_transitions(transitions)
         return signals, transitions
 
     async def close(self, within: float) -> None:
@@ -89,9 +89,7 @@ class HealthMonitor:
             _log.warning("XID thread still waiting at shutdown")
 
     def record_xid(self, event: XidEvent) -> list[Transition]:
-        transitions = self.tracker.record_xid(event)
-        _log_transitions(transitions)
-        return transitions
+        return self.tracker.record_xid(event)
 
 
 def with_telemetry(
@@ -112,7 +110,9 @@ def with_telemetry(
     return merged
 
 
-def _log_transitions(transitions: list[Transition]) -> None:
+def log_transitions(transitions: Iterable[Transition]) -> None:
+    """One log line per transition, naming who held the GPU (the collector logs them once
+    they are joined to their holders)."""
     for t in transitions:
         level = 30 if t.current.state in ("degraded", "unhealthy") else 20
         _log.log(
@@ -125,5 +125,6 @@ def _log_transitions(transitions: list[Transition]) -> None:
                 "previous": t.previous.state if t.previous else None,
                 "reason": t.current.reason,
                 "action": t.current.action,
+                "holders": [f"{h.namespace}/{h.pod}/{h.container}" for h in t.holders],
             },
         )
