@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.model import NvLink, PcieLink
+from gpuid_agent.model import GpuIdentity, NvLink, PcieLink
+from gpuid_agent.node.conditions import desired_conditions
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals
 from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
+from gpuid_agent.state.health.tracker import HealthTracker
 
 FULL = PcieLink(gen=5, max_gen=5, width=16, max_width=16, gpu_max_gen=5)
 ZEROS = (0, 0, 0, 0)
@@ -109,3 +114,22 @@ def test_link_rules_survive_any_values_nvml_can_return(
     gen, max_gen, width, max_width = pcie
     verdict = watch.verdict(PcieLink(gen, max_gen, width, max_width), gen, float(width % 101), 0.0)
     assert verdict.state in ("healthy", "degraded", "unhealthy", "unknown")
+
+
+def test_an_nvlink_down_raises_its_node_condition_naming_the_link() -> None:
+    now = [0.0]
+    tracker = HealthTracker(clock=lambda: now[0], wall=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+    gpu = GpuIdentity(index=0, uuid="GPU-0")
+
+    def observe(links: tuple[NvLink, ...], pcie: PcieLink) -> None:
+        now[0] += 1.0
+        sig = GpuHealthSignals(index=0, uuid="GPU-0", nvlinks=links, pcie=pcie, utilization=50.0)
+        tracker.observe([gpu], {0: sig}, {})
+
+    observe(_links(), FULL)
+    assert desired_conditions(tracker.snapshot())["GpuNvlinkDown"].status == "False"
+    observe(_links(down=frozenset({3})), FULL._replace(width=8))
+    wanted = desired_conditions(tracker.snapshot())
+    assert wanted["GpuNvlinkDown"].status == "True"
+    assert wanted["GpuNvlinkDown"].message == "GPU 0 (GPU-0): NVLink 3 down"
+    assert wanted["GpuPcieLinkDown"].status == "False"  # x8 is degraded: no condition
