@@ -30,29 +30,34 @@ serials = st.text(min_size=1, max_size=12)
 def test_changes_name_each_serial_at_most_once_and_nothing_for_no_change(
     before: dict[str, str], after: dict[str, str]
 ) -> None:
-    found = changes(before, after)
-    assert changes(before, before) == [] and changes(after, after) == []
+    found, remembered = changes(before, after)
+    assert changes(before, before) == ([], before)
     olds = [old for _, _, old, _ in found if old is not None]
     news = [new for _, _, _, new in found if new is not None]
     assert set(olds) <= set(before.values()) and set(news) <= set(after.values())
     assert not set(olds) & set(after.values())  # a serial still on the node did not leave
     assert not set(news) & set(before.values())  # nor did one that was there arrive
     for event, bus, old, new in found:
-        assert (event == "removed") == (new is None) and (event == "added") == (old is None)
-        assert bus in (after if new is not None else before)
+        assert new is not None and after[bus] == new and (event == "added") == (old is None)
+    assert after.items() <= remembered.items()  # what is there now is what is remembered
+    # told once: the remembered slots against the same GPUs again say nothing
+    assert changes(remembered, after)[0] == []
 
 
 def test_a_swap_between_slots_is_no_replacement_and_a_new_serial_in_a_slot_is() -> None:
-    assert changes({"a": "S1", "b": "S2"}, {"a": "S2", "b": "S1"}) == []
-    assert changes({"a": "S1", "b": "S2"}, {"a": "S1", "b": "S9"}) == [
-        ("replaced", "b", "S2", "S9")
-    ]
+    two = {"a": "S1", "b": "S2"}
+    assert changes(two, {"a": "S2", "b": "S1"})[0] == []
+    assert changes(two, {"a": "S1", "b": "S9"})[0] == [("replaced", "b", "S2", "S9")]
     # S2 left slot b, S9 arrived in slot c: one replacement at the new slot
-    assert changes({"a": "S1", "b": "S2"}, {"a": "S1", "c": "S9"}) == [
-        ("replaced", "c", "S2", "S9")
-    ]
-    assert changes({"a": "S1"}, {}) == [("removed", "a", "S1", None)]
-    assert changes({}, {"a": "S1"}) == [("added", "a", None, "S1")]
+    assert changes(two, {"a": "S1", "c": "S9"})[0] == [("replaced", "c", "S2", "S9")]
+    assert changes({}, {"a": "S1"})[0] == [("added", "a", None, "S1")]
+
+
+def test_a_gpu_that_vanished_is_remembered_not_reported() -> None:
+    found, remembered = changes({"a": "S1", "b": "S2"}, {"a": "S1"})  # off the bus
+    assert found == [] and remembered == {"a": "S1", "b": "S2"}
+    assert changes(remembered, {"a": "S1", "b": "S2"})[0] == []  # back after a reset
+    assert changes(remembered, {"a": "S1", "b": "S7"})[0] == [("replaced", "b", "S2", "S7")]
 
 
 def _inventory(*gpus: tuple[str, str | None]) -> NodeInventory:

@@ -2,9 +2,10 @@
 
 The serial of the GPU at each PCI bus id is kept in `<STATE_DIR>/hardware.json`. When an
 inventory shows another serial at a bus id, that GPU was **replaced**; a serial that left the
-node while another arrived at a different bus id is a replacement too (pairs in bus id order);
-a serial that left with nothing arriving was **removed**, one that arrived in a new slot
-**added**. The first inventory without a state file is the baseline and says nothing.
+node while another arrived at a different bus id is a replacement too (pairs in bus id order).
+A GPU that vanished is remembered rather than reported (a GPU off the bus comes back after a
+reset); a new serial in a new slot with nothing gone to pair it with was **added**. The first
+inventory without a state file is the baseline and says nothing.
 
 Exactly once: the new map and the records it owes are written to the state file before they
 are published (`publish_durable`), and the owed records are cleared once every exporter's
@@ -46,21 +47,32 @@ def slots_of(inventory: NodeInventory) -> Slots:
     return {g.pci_bus_id.lower(): g.serial for g in inventory.gpus if g.pci_bus_id and g.serial}
 
 
-def changes(before: Slots, after: Slots) -> list[tuple[str, str, str | None, str | None]]:
-    """(event, bus id, old serial, new serial) for every GPU that changed, in bus id order."""
-    out: list[tuple[str, str, str | None, str | None]] = []
-    kept_before, kept_after = set(before.values()), set(after.values())
+Change = tuple[str, str, str | None, str | None]  # (event, bus id, old serial, new serial)
+
+
+def changes(before: Slots, after: Slots) -> tuple[list[Change], Slots]:
+    """What changed from the remembered slots to the GPUs present now, in bus id order, and
+    the slots to remember next.
+
+    A slot whose GPU is gone (fallen off the bus, or pulled) says nothing yet and is
+    remembered: if the same serial comes back, nothing happened; if another serial arrives,
+    in that slot or a new one, that is the replacement. A new serial in a new slot with no
+    vanished GPU to pair with was **added**.
+    """
+    out: list[Change] = []
+    known, present = set(before.values()), set(after.values())
     for bus in sorted(before.keys() & after.keys()):
         old, new = before[bus], after[bus]
-        if old != new and old not in kept_after and new not in kept_before:
+        if old != new and old not in present and new not in known:
             out.append(("replaced", bus, old, new))
-    left = sorted((b, s) for b, s in before.items() if s not in kept_after and b not in after)
-    arrived = sorted((b, s) for b, s in after.items() if s not in kept_before and b not in before)
+    left = sorted((b, s) for b, s in before.items() if b not in after and s not in present)
+    arrived = sorted((b, s) for b, s in after.items() if b not in before and s not in known)
     for (_, old), (bus, new) in zip(left, arrived, strict=False):
         out.append(("replaced", bus, old, new))
-    out.extend(("removed", bus, old, None) for bus, old in left[len(arrived) :])
     out.extend(("added", bus, None, new) for bus, new in arrived[len(left) :])
-    return out
+    remembered = dict(after)
+    remembered.update(left[len(arrived) :])  # still gone: wait for what comes back
+    return out, remembered
 
 
 class HardwareWatch:
@@ -144,9 +156,7 @@ class HardwareWatch:
 
     # ---- records ---------------------------------------------------------------------------
 
-    def _record(
-        self, inventory: NodeInventory, change: tuple[str, str, str | None, str | None]
-    ) -> Record:
+    def _record(self, inventory: NodeInventory, change: Change) -> Record:
         event, bus, old, new = change
         gpu: GpuIdentity | None = next(
             (g for g in inventory.gpus if (g.pci_bus_id or "").lower() == bus and g.serial == new),
@@ -186,8 +196,8 @@ class HardwareWatch:
             # no baseline yet, or NVML read no serial at all (a driver fault is no swap)
             self.slots = now or self.slots
             return []
-        records = [self._record(inventory, c) for c in changes(self.slots, now)]
-        self.slots = now
+        found, self.slots = changes(self.slots, now)
+        records = [self._record(inventory, c) for c in found]
         for r in records:
             _log.warning(
                 f"GPU {r['event']}",

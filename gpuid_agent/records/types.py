@@ -105,19 +105,19 @@ class HealthRecord:
 
 @dataclass(frozen=True, slots=True)
 class HardwareRecord:
-    """A physical GPU changed under the node: replaced at a PCI bus id, added or removed."""
+    """A physical GPU changed under the node: replaced (in its slot or another), or added."""
 
     schema_version: int
     kind: Literal["hardware"]
     record_id: str
-    event: Literal["replaced", "added", "removed"]
+    event: Literal["replaced", "added"]
     cluster: str
     node: str
     machine: str
     machine_source: str
     source: str
     chassis: str
-    gpu: str  # the serial now in the slot (the old one for "removed")
+    gpu: str  # the serial now in the slot
     read_time: str
     pci_bus_id: str
     old_serial: str | None
