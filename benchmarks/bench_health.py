@@ -55,16 +55,20 @@ def _tracker_cost() -> float:
     return median(samples) * 1e6
 
 
-async def _read_cost_fake_library() -> tuple[float, str]:
-    """HealthReader.read for 8 GPUs through the real pynvml and the C fake library."""
+async def _read_cost_fake_library(links: bool = False) -> tuple[float, str]:
+    """HealthReader.read for 8 GPUs through the real pynvml and the C fake library; with
+    `links`, each GPU also has a PCIe link and 18 NVLinks with error counters."""
     try:
-        from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml
+        from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml, with_links
     except ImportError:
         return float("nan"), "tests package not importable"
     with tempfile.TemporaryDirectory() as tmp:
         lib = build_fake_nvml(Path(tmp))
         config = Path(tmp) / "fake.conf"
-        h100x8().write(config)
+        node = h100x8()
+        if links:
+            node.gpus = [with_links(g) for g in node.gpus]
+        node.write(config)
         os.environ["FAKE_NVML_CONFIG"] = str(config)
         load_fake_into_pynvml(lib)
         api = PynvmlApi(str(lib))
@@ -165,6 +169,10 @@ async def run() -> list[Row]:
     ]
     read_ms, note = await _read_cost_fake_library()
     rows.append(Row("health", "read health signals, 8 GPUs", read_ms, "ms", note))
+    read_ms, note = await _read_cost_fake_library(links=True)
+    rows.append(
+        Row("health", "read health signals, 8 GPUs, PCIe + 18 NVLinks each", read_ms, "ms", note)
+    )
     plain, full, plain_size, full_size = _render_cost()
     rows += [
         Row("health", "render /gpu/metrics, 8 GPUs, no health", plain, "ms", f"{plain_size} B"),

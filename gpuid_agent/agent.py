@@ -24,6 +24,7 @@ from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.conditions import NodeConditionWriter
 from gpuid_agent.node.labels.service import NodeLabelling
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.hardware import HardwareWatch
 from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.runtime import log
@@ -112,12 +113,23 @@ class Agent:
             publish_durable=self.pipeline.publish_durable, state_dir=s.state_dir,
         )  # fmt: skip
         self.health_records = HealthPublisher(self.pipeline.publish, source=self.source)
+        self.hardware = HardwareWatch(
+            cluster=s.cluster_name,
+            source=self.source,
+            publish_durable=self.pipeline.publish_durable,
+            state_dir=s.state_dir,
+        )
         self.labelling = NodeLabelling(s, node, self.metrics, self.board, self.identity.use_machine)
         self.conditions = NodeConditionWriter(node, self.board) if s.node_conditions else None
         self.page = StatusPage(
             s, board=self.board, supervisor=self.supervisor, collector=self.collector,
             pipeline=self.pipeline, metrics=self.metrics,
-            parts={"labels": self.labelling, "pods": self.pods, "trail": self.trail},
+            parts={
+                "labels": self.labelling,
+                "pods": self.pods,
+                "trail": self.trail,
+                "hardware": self.hardware,
+            },
         )  # fmt: skip
         self.kube: KubeClient | None = None
         self._runner: web.AppRunner | None = None
@@ -161,6 +173,7 @@ class Agent:
         spawn("emitter", self.emitter.run(bus.subscribe("readings")))
         spawn("allocations", self.trail.run(bus.subscribe("allocations")))
         spawn("health-records", self.health_records.run(bus.subscribe("health", events=True)))
+        spawn("hardware", self.hardware.run(bus.subscribe("hardware")))
         observer = request_counter(self.metrics.kube_api_requests)
         kube = self.kube = await open_shared_client(
             self.settings.kube_api, observer=observer, board=self.board
@@ -212,8 +225,16 @@ class Agent:
         await sup.stop(
             "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness"
         )
+        self.collector.release_held()
         self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
-        for name in ("emitter", "health-records", "allocations", "render", "otlp-metrics"):
+        for name in (
+            "emitter",
+            "health-records",
+            "allocations",
+            "hardware",
+            "render",
+            "otlp-metrics",
+        ):
             if not await sup.wait(name, left()):
                 await sup.stop(name)
         for worker in self.pipeline.workers:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, NamedTuple
 
 HealthState = Literal["healthy", "degraded", "unhealthy", "unknown"]
 
@@ -95,3 +95,29 @@ class NodeInventory:
     @property
     def serials(self) -> tuple[str, ...]:
         return tuple(sorted({g.serial for g in self.gpus if g.serial}))
+
+
+class PcieLink(NamedTuple):
+    """The PCIe link as trained now and at most (nvmlDevice{Curr,Max}PcieLink{Generation,Width}).
+
+    `max_gen` is the most the GPU and its slot can do together; `gpu_max_gen` the GPU's own
+    maximum (None on drivers without the call).
+    """
+
+    gen: int
+    max_gen: int
+    width: int
+    max_width: int
+    gpu_max_gen: int | None = None
+
+
+# NVML_NVLINK_ERROR_DL_* counter ids, in the order NvLink.errors holds them
+NVLINK_COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
+
+
+class NvLink(NamedTuple):
+    """One NVLink: active or not, and its data-link error counters (None: not reported)."""
+
+    link: int
+    active: bool
+    errors: tuple[int | None, ...] = (None, None, None, None)

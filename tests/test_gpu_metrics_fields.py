@@ -53,6 +53,10 @@ HEALTH_KEYS = {
     "row_remap_pending": "remap_pending",
     "row_remap_failure": "remap_failure",
     "clock_event_reasons": "clocks_event_reasons",
+    "pcie_link_gen": "pcie_gen",
+    "pcie_link_max_gen": "pcie_max_gen",
+    "pcie_link_width": "pcie_width",
+    "pcie_link_max_width": "pcie_max_width",
 }
 NEW_KEYS = READER_KEYS | HEALTH_KEYS
 

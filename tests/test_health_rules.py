@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.runtime.fault_spec import FAULT_KINDS, Fault, parse_fault, parse_faults
+from gpuid_agent.runtime.fault_spec import FAULT_KINDS, LINK_KINDS, Fault, parse_fault, parse_faults
 from gpuid_agent.sources.nvml.signals import (
     EccCounts,
     FabricInfo,
@@ -512,7 +512,16 @@ def test_fault_spec_parses_or_says_why(text: str) -> None:
 
 @given(
     st.one_of(
-        st.builds(Fault, st.sampled_from(FAULT_KINDS), st.integers(0, 999)),
+        st.builds(
+            Fault, st.sampled_from(sorted(set(FAULT_KINDS) - LINK_KINDS)), st.integers(0, 999)
+        ),
+        st.builds(
+            Fault,
+            st.sampled_from(sorted(LINK_KINDS)),
+            st.integers(0, 999),
+            delay=st.integers(0, 9999).map(float),
+            link=st.integers(0, 99),
+        ),
         st.builds(
             Fault,
             st.just("xid"),
@@ -524,6 +533,20 @@ def test_fault_spec_parses_or_says_why(text: str) -> None:
 )
 def test_fault_spec_round_trips(fault: Fault) -> None:
     assert parse_fault(str(fault)) == fault
+
+
+def test_link_faults_name_their_link_and_others_take_none() -> None:
+    assert parse_fault("nvlink-down:gpu0:3") == Fault("nvlink-down", 0, link=3)
+    assert parse_fault("nvlink-errors:gpu7:17@30s") == Fault(
+        "nvlink-errors", 7, delay=30.0, link=17
+    )
+    assert parse_fault("pcie-down:gpu1") == Fault("pcie-down", 1)
+    with pytest.raises(ValueError, match="needs a link"):
+        parse_fault("nvlink-down:gpu0")
+    with pytest.raises(ValueError, match="takes no link"):
+        parse_fault("pcie-down:gpu1:3")
+    with pytest.raises(ValueError, match="bad fault"):
+        parse_fault("nvlink-down:gpu0:-1")
 
 
 def test_fault_specs() -> None:

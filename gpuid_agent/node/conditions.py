@@ -36,6 +36,8 @@ CONDITION_TYPES: Mapping[str, str] = {
     "ecc": "GpuEccError",
     "remapped_rows": "GpuRowRemapping",
     "fabric": "GpuFabricUnhealthy",
+    "nvlink": "GpuNvlinkDown",
+    "pcie": "GpuPcieLinkDown",
     "gpu_count": "GpuCountLow",
 }
 _REASONS = {

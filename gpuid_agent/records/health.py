@@ -18,6 +18,7 @@ from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.health.workloads import holder_dict
 from gpuid_agent.state.snapshot import NodeSnapshot
 
 _log = log.get("health.records")
@@ -48,6 +49,7 @@ def health_record(
             since=rfc3339(current.since),
             gpu_state=transition.gpu_state,
             machine_source=inventory.machine_source,
+            holders=tuple(holder_dict(h) for h in transition.holders),
         )
     )
 

@@ -10,7 +10,13 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.records.types import AllocationRecord, AnyRecord, HealthRecord, ReadingRecord
+from gpuid_agent.records.types import (
+    AllocationRecord,
+    AnyRecord,
+    HardwareRecord,
+    HealthRecord,
+    ReadingRecord,
+)
 
 Record = dict[str, Any]
 _ALLOCATION_FIELDS = tuple(f.name for f in fields(AllocationRecord))
@@ -19,7 +25,7 @@ _CLAIM_FIELDS = ("claim_namespace", "claim_name", "claim_source")
 # One C-level getter per type: records are built per GPU per collection, so this path is hot.
 _GETTERS = {
     cls: (cls.__slots__, attrgetter(*cls.__slots__))
-    for cls in (ReadingRecord, AllocationRecord, HealthRecord)
+    for cls in (ReadingRecord, AllocationRecord, HealthRecord, HardwareRecord)
 }
 
 
@@ -39,6 +45,8 @@ def to_wire(record: AnyRecord) -> Record:
     """The dict exporters and the spool receive; same names, values and ids as ever."""
     names, get = _GETTERS[type(record)]
     wire: Record = dict(zip(names, get(record), strict=True))
+    if isinstance(record, HardwareRecord):
+        return wire  # its id is carried: it names the change, not the moment it was seen
     if isinstance(record, AllocationRecord):
         if record.end_observed is not False:
             del wire["last_seen_at"]  # only an unseen end carries it
@@ -48,6 +56,11 @@ def to_wire(record: AnyRecord) -> Record:
         return wire
     if isinstance(record, ReadingRecord):
         wire["mig_devices"] = list(record.mig_devices)
+    elif isinstance(record, HealthRecord):
+        if record.holders:
+            wire["holders"] = [dict(h) for h in record.holders]
+        else:
+            del wire["holders"]  # only a GPU someone held carries it: ids stay as they were
     wire["record_id"] = _content_id(wire)
     return wire
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SCHEMA_VERSION = 1
-Kind = Literal["reading", "allocation", "health"]
+Kind = Literal["reading", "allocation", "health", "hardware"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,31 @@ class HealthRecord:
     since: str
     gpu_state: str | None
     machine_source: str
+    # pods, containers and workloads holding the GPU at that moment (from attribution)
+    holders: tuple[dict[str, str], ...] = ()
 
 
-AnyRecord = ReadingRecord | AllocationRecord | HealthRecord
+@dataclass(frozen=True, slots=True)
+class HardwareRecord:
+    """A physical GPU changed under the node: replaced (in its slot or another), or added."""
+
+    schema_version: int
+    kind: Literal["hardware"]
+    record_id: str
+    event: Literal["replaced", "added"]
+    cluster: str
+    node: str
+    machine: str
+    machine_source: str
+    source: str
+    chassis: str
+    gpu: str  # the serial now in the slot
+    read_time: str
+    pci_bus_id: str
+    old_serial: str | None
+    new_serial: str | None
+    uuid: str | None  # the new GPU's UUID
+    index: int | None
+
+
+AnyRecord = ReadingRecord | AllocationRecord | HealthRecord | HardwareRecord

@@ -294,6 +294,20 @@ class Settings(OtelSettings):
     xid_hold: PositiveDuration = Field(
         600.0, description="How long a non-latching XID keeps its GPU degraded."
     )
+    xid_repeat_count: int = Field(
+        3,
+        ge=0,
+        description="The same XID this many times within XID_REPEAT_WINDOW raises its action "
+        "one step (0: never).",
+    )
+    xid_repeat_window: PositiveDuration = Field(
+        3600.0, description="Window in which repeats of one XID are counted."
+    )
+    pcie_replay_threshold: int = Field(
+        40,
+        ge=0,
+        description="PCIe replays within HEALTH_WINDOW that degrade the link check (0: never).",
+    )
     fault: Annotated[CommaList, AfterValidator(_faults)] = Field(
         default_factory=list,
         description="Faults a simulated node injects: <kind>:gpu<N>[@<delay>], comma list "

@@ -1,9 +1,13 @@
-"""The FAULT setting: faults a simulated node injects, `<kind>:gpu<N>[@<delay>]`.
+"""The FAULT setting: faults a simulated node injects, `<kind>:gpu<N>[:<link>][@<delay>]`.
 
 Kinds: `xid<code>` (an XID event), `lost`, `remap-pending`, `remap-failure`, `ecc-growth`,
 `ecc-uncorrected`, `retired-pending`, `thermal`, `power-brake`, `hw-slowdown`,
-`persistence-off`, `fabric-degraded`. The optional delay (`@30s`, `@2m`) starts the fault that
-long after the agent starts, so a demo shows the transition.
+`persistence-off`, `fabric-degraded`, `pcie-down` (link trained to half its width),
+`pcie-gen` (link below its generation while busy), `pcie-replay` (replays growing),
+`gpu-replaced` (another serial and UUID in the slot), and the per-link
+`nvlink-down:gpu<N>:<link>` and `nvlink-errors:gpu<N>:<link>`. The optional delay
+(`@30s`, `@2m`) starts the fault that long after the agent starts, so a demo shows the
+transition.
 
 A pure parser with no dependencies, so config validation and the simulator share it.
 """
@@ -25,9 +29,16 @@ FAULT_KINDS = (
     "hw-slowdown",
     "persistence-off",
     "fabric-degraded",
+    "pcie-down",
+    "pcie-gen",
+    "pcie-replay",
+    "nvlink-down",
+    "nvlink-errors",
+    "gpu-replaced",
 )
+LINK_KINDS = frozenset({"nvlink-down", "nvlink-errors"})
 _SPEC = re.compile(
-    r"^(?P<kind>xid(?P<code>\d{1,6})|[a-z-]+):gpu(?P<gpu>\d{1,3})"
+    r"^(?P<kind>xid(?P<code>\d{1,6})|[a-z-]+):gpu(?P<gpu>\d{1,3})(?::(?P<link>\d{1,2}))?"
     r"(?:@(?P<delay>\d{1,6}(?:\.\d+)?)(?P<unit>ms|s|m|h)?)?$"
 )
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -39,10 +50,12 @@ class Fault:
     gpu: int
     code: int | None = None  # the XID code for kind "xid"
     delay: float = 0.0
+    link: int | None = None  # the NVLink of an nvlink-* fault
 
     def __str__(self) -> str:
         kind = f"xid{self.code}" if self.kind == "xid" else self.kind
-        return f"{kind}:gpu{self.gpu}" + (f"@{self.delay:g}s" if self.delay else "")
+        link = f":{self.link}" if self.link is not None else ""
+        return f"{kind}:gpu{self.gpu}{link}" + (f"@{self.delay:g}s" if self.delay else "")
 
 
 def parse_fault(text: str) -> Fault:
@@ -51,13 +64,17 @@ def parse_fault(text: str) -> Fault:
     if match is None:
         raise ValueError(
             f"bad fault {text!r}: expected <kind>:gpu<N>[@<delay>], "
-            "e.g. xid79:gpu2 or lost:gpu0@30s"
+            "e.g. xid79:gpu2, lost:gpu0@30s or nvlink-down:gpu0:3"
         )
     kind, code = match.group("kind"), match.group("code")
     if code is None and kind not in FAULT_KINDS:
         raise ValueError(
             f"unknown fault kind {kind!r}; choose from xid<code>, {', '.join(FAULT_KINDS)}"
         )
+    link = int(match.group("link")) if match.group("link") is not None else None
+    if (link is None) == (kind in LINK_KINDS):
+        want = "needs a link: <kind>:gpu<N>:<link>" if link is None else "takes no link"
+        raise ValueError(f"bad fault {text!r}: {kind} {want}")
     delay = 0.0
     if match.group("delay"):
         delay = float(match.group("delay")) * _UNITS[match.group("unit") or "s"]
@@ -66,6 +83,7 @@ def parse_fault(text: str) -> Fault:
         gpu=int(match.group("gpu")),
         code=int(code) if code is not None else None,
         delay=delay,
+        link=link,
     )
 
 

@@ -6,18 +6,22 @@ GPU. Only the current state is exposed, so a node costs one series per check, no
 Names and (snake_case) labels are the same under both namings (dcgm-exporter has no
 equivalent), except that dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as
 dcgm-exporter reports it, with its labels.
+NVLink state is per link (a `link` label) and error counters per GPU and counter, families of
+their own under both namings.
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.model import NVLINK_COUNTERS, NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     DCGM_XID,
     HEALTH_STATE,
     LABELS,
     NODE_HEALTH_STATE,
+    NVLINK_ERRORS,
+    NVLINK_UP,
     XID_ERRORS,
     Naming,
     label_values,
@@ -43,6 +47,19 @@ def build_health_families(
     last_xid = GaugeMetricFamily(
         DCGM_XID, "Value of the last XID error seen.", labels=[d for _, d in LABELS]
     )
+    nvlink_up = GaugeMetricFamily(
+        NVLINK_UP,
+        "1 while the NVLink is active (GPUs with NVLink only).",
+        labels=[*label_names, "link"],
+    )
+    # Summed over the GPU's links: 4 series per GPU rather than 72; the health check and
+    # /status name the link whose counters grow.
+    nvlink_errors = CounterMetricFamily(
+        NVLINK_ERRORS,
+        "NVLink data-link errors since the driver loaded, over all links of the GPU, by "
+        "counter (replay, recovery, crc_flit, crc_data).",
+        labels=[*label_names, "counter"],
+    )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
         gpu = by_uuid.get(gpu_health.uuid)
@@ -55,6 +72,14 @@ def build_health_families(
         for code, count in sorted(gpu_health.xid_counts.items()):
             xids.add_metric([*values, str(code)], count)
         last_xid.add_metric(values, gpu_health.last_xid or 0)
+        totals: dict[str, int] = {}
+        for link in gpu_health.nvlinks:
+            nvlink_up.add_metric([*values, str(link.link)], 1 if link.active else 0)
+            for counter, errors in zip(NVLINK_COUNTERS, link.errors, strict=True):
+                if errors is not None:
+                    totals[counter] = totals.get(counter, 0) + errors
+        for counter, total in totals.items():
+            nvlink_errors.add_metric([*values, counter], total)
     node = GaugeMetricFamily(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
@@ -62,7 +87,7 @@ def build_health_families(
     )
     for name, check in health.node_checks.items():
         node.add_metric([inventory.node, name, check.state, check.action], 1)
-    families: list[Metric] = [state, node, xids]
+    families: list[Metric] = [state, node, xids, nvlink_up, nvlink_errors]
     if dcgm:
         families.append(last_xid)
     return families

@@ -220,6 +220,38 @@ FIELDS: tuple[FieldSpec, ...] = (
         1,
         "Bitmask of why clocks are held down (nvmlClocksEventReasons).",
     ),
+    FieldSpec(
+        "pcie_link_gen",
+        "gpuid_gpu_pcie_link_generation",
+        1,
+        "DCGM_FI_DEV_PCIE_LINK_GEN",
+        1,
+        "PCIe link generation as trained now (idle links drop it to save power).",
+    ),
+    FieldSpec(
+        "pcie_link_max_gen",
+        "gpuid_gpu_pcie_link_max_generation",
+        1,
+        "DCGM_FI_DEV_PCIE_MAX_LINK_GEN",
+        1,
+        "Highest PCIe link generation the GPU and its slot support together.",
+    ),
+    FieldSpec(
+        "pcie_link_width",
+        "gpuid_gpu_pcie_link_width",
+        1,
+        "DCGM_FI_DEV_PCIE_LINK_WIDTH",
+        1,
+        "PCIe lanes as trained now.",
+    ),
+    FieldSpec(
+        "pcie_link_max_width",
+        "gpuid_gpu_pcie_link_max_width",
+        1,
+        "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
+        1,
+        "Widest PCIe link the GPU and its slot support.",
+    ),
 )
 
 # Identity labels: (prometheus name, dcgm name)
@@ -331,8 +363,16 @@ HEALTH_STATE = "gpuid_gpu_health_state"
 NODE_HEALTH_STATE = "gpuid_node_health_state"
 XID_ERRORS = "gpuid_gpu_xid_errors"  # exposed as gpuid_gpu_xid_errors_total
 DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
+NVLINK_UP = "gpuid_gpu_nvlink_up"
+NVLINK_ERRORS = "gpuid_gpu_nvlink_errors"  # exposed as gpuid_gpu_nvlink_errors_total
 
 
 def health_metric_names(naming: Naming) -> list[str]:
-    names = [HEALTH_STATE, NODE_HEALTH_STATE, f"{XID_ERRORS}_total"]
+    names = [
+        HEALTH_STATE,
+        NODE_HEALTH_STATE,
+        f"{XID_ERRORS}_total",
+        NVLINK_UP,
+        f"{NVLINK_ERRORS}_total",
+    ]
     return [*names, DCGM_XID] if naming == "dcgm" else names

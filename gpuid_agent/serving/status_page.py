@@ -23,6 +23,7 @@ from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.share_families import usage_status
 from gpuid_agent.state.collector import Collector
+from gpuid_agent.state.health.workloads import health_status
 
 
 class Describes(Protocol):
@@ -47,7 +48,7 @@ class StatusPage:
         self._collector = collector
         self._pipeline = pipeline
         self._metrics = metrics
-        self._parts = parts  # labels, pods, trail: each one's own part of /status
+        self._parts = parts  # labels, pods, trail, hardware: each one's own part
         self.started_at = datetime.now(UTC)
 
     def liveness(self) -> tuple[bool, list[str]]:
@@ -97,7 +98,10 @@ class StatusPage:
             "problems": problems,
             "components": self._board.as_dict(),
             "labels": parts.pop("labels", None),
-            "health": collector.health.snapshot().as_dict(),
+            "hardware": parts.pop("hardware", None),
+            "health": health_status(
+                collector.health.snapshot(), inventory, collector.attributor.current
+            ),
             "inventory": None
             if inventory is None
             else {

@@ -25,6 +25,7 @@ def _fail(code: int) -> pynvml.NVMLError:
 # partition assigned, fabric manager connected (NVML_GPU_FABRIC_HEALTH_MASK_* values).
 _FABRIC_HEALTHY_MASK = 2 | 2 << 2 | 2 << 4 | 2 << 6 | 1 << 8 | 1 << 12 | 1 << 14
 _FABRIC_DEGRADED_BW = (_FABRIC_HEALTHY_MASK & ~0x3) | 1
+_NVLINKS = 18
 _CLOCK_FAULTS = {"thermal": 0x8 | 0x20 | 0x40, "power-brake": 0x8 | 0x80, "hw-slowdown": 0x8}
 
 
@@ -82,13 +83,18 @@ class SimulatedNvml:
     def uuid(self, handle: Any) -> str:
         if isinstance(handle, SimMig):
             return handle.uuid
-        return self._gpu(handle).uuid
+        gpu = self._gpu(handle)
+        if self._fault(gpu, "gpu-replaced"):  # another board in the slot: a new UUID too
+            return gpu.uuid[:-4] + "beef"
+        return gpu.uuid
 
     def serial(self, handle: Any) -> str:
-        serial = self._gpu(handle).serial
-        if serial is None:
+        gpu = self._gpu(handle)
+        if gpu.serial is None:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return serial
+        if self._fault(gpu, "gpu-replaced"):
+            return gpu.serial[:-4] + "9999"
+        return gpu.serial
 
     def name(self, handle: Any) -> str:
         if isinstance(handle, SimMig):
@@ -199,8 +205,8 @@ class SimulatedNvml:
         raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     def pcie_replay_count(self, handle: Any) -> int:
-        self._gpu(handle)
-        return 0
+        fault = self._fault(self._gpu(handle), "pcie-replay")
+        return 0 if fault is None else 1 + int(20 * self._since(fault))
 
     # ---- faults and health signals -------------------------------------------------------
 
@@ -276,6 +282,49 @@ class SimulatedNvml:
         if now <= since_us:
             return []
         return [ProcessSample(p.pid, now, round(self._sm(gpu, p))) for p in gpu.processes]
+
+    # ---- link health: Gen5 x16 PCIe, 18 NVLinks per GPU ----------------------------------
+
+    def pcie_link_gen(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        if self._wave(gpu, 30.0) < 0.1:
+            return 1  # an idle link drops its generation to save power, as real ones do
+        return 3 if self._fault(gpu, "pcie-gen") else 5
+
+    def pcie_link_max_gen(self, handle: Any) -> int:
+        self._gpu(handle)
+        return 5
+
+    def pcie_link_gpu_max_gen(self, handle: Any) -> int:
+        self._gpu(handle)
+        return 5
+
+    def pcie_link_width(self, handle: Any) -> int:
+        return 8 if self._fault(self._gpu(handle), "pcie-down") else 16
+
+    def pcie_link_max_width(self, handle: Any) -> int:
+        self._gpu(handle)
+        return 16
+
+    def _link_fault(self, gpu: SimGpu, kind: str, link: int) -> Fault | None:
+        if not 0 <= link < _NVLINKS:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        index = self.gpus.index(gpu)
+        elapsed = time.monotonic() - self._t0
+        for fault in self.faults:
+            hit = (fault.gpu, fault.kind, fault.link) == (index, kind, link)
+            if hit and elapsed >= fault.delay:
+                return fault
+        return None
+
+    def nvlink_state(self, handle: Any, link: int) -> int:
+        return 0 if self._link_fault(self._gpu(handle), "nvlink-down", link) else 1
+
+    def nvlink_error_counter(self, handle: Any, link: int, counter: int) -> int:
+        fault = self._link_fault(self._gpu(handle), "nvlink-errors", link)
+        if fault is None or counter != pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT:
+            return 0
+        return 1 + int(5 * self._since(fault))  # CRC flit errors, five a second
 
     # ---- XID events ----------------------------------------------------------------------
 

@@ -34,12 +34,14 @@ from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import Transition
-from gpuid_agent.state.health.monitor import HealthMonitor
+from gpuid_agent.state.health.monitor import HealthMonitor, log_transitions
+from gpuid_agent.state.health.workloads import with_holders
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
 
 _log = log.get("collector")
 NVML_BACKOFF_MAX = 300.0
+JOIN_WAIT = 15.0  # longest a transition waits at start for the kubelet and pod metadata
 
 
 @dataclass(slots=True)
@@ -89,6 +91,9 @@ class Collector:
         )
         self.last: NodeSnapshot | None = None
         self._seq = 0
+        self._held: list[Transition] = []  # transitions waiting for the first attribution
+        self._settled = False
+        self._started: float | None = None
         self._busy_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # GPUs the kubelet can allocate (None without GetAllocatableResources); compared with
@@ -111,6 +116,12 @@ class Collector:
             self.attributor.pods,
             self.attributor.label_allowlist,
         )
+        self._held.extend(transitions or ())
+        joined: tuple[Transition, ...] = ()
+        if self._joinable():
+            joined = with_holders(self._held, self.inventory, attribution)
+            self._held = []
+            log_transitions(joined)
         self._seq += 1
         self.last = NodeSnapshot(
             seq=self._seq,
@@ -119,11 +130,33 @@ class Collector:
             samples=self.samples,
             health=self.health.snapshot(),
             attribution=attribution,
-            transitions=tuple(transitions or ()),
+            transitions=joined,
             pods_ready=self.attributor.pods_ready,
             processes=processes,
         )
         self.bus.publish(self.last)
+
+    def _joinable(self) -> bool:
+        """Whether transitions can be joined to their holders now. At start the kubelet (its
+        first poll, whatever the outcome) and the pod metadata may not have answered yet:
+        transitions wait for them, at most JOIN_WAIT, so the first records name who held the
+        GPU. Later, what is known at the moment is used."""
+        if self._settled:
+            return True
+        now = time.monotonic()
+        if self._started is None:
+            self._started = now
+        polled = self.attributor.source.polled.is_set()
+        ready = polled and self.attributor.pods_ready
+        if ready or now - self._started >= JOIN_WAIT:
+            self._settled = True
+        return self._settled
+
+    def release_held(self) -> None:
+        """Publish transitions still waiting for attribution (at shutdown)."""
+        self._settled = True
+        if self._held:
+            self._publish("collection")
 
     # ---- collection ------------------------------------------------------------------------
 

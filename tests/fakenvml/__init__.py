@@ -253,6 +253,19 @@ class FakeGpu:
     fabric_clique_id: int | None = None
     fabric_cluster_uuid: str | None = None
     fabric_max_version: int | None = None  # 2: the V call rejects the v3 structure
+    # ---- link health: PCIe link training and NVLink (the link block of fake_nvml.c) ----
+    pcie_gen: int | None = None
+    pcie_max_gen: int | None = None
+    pcie_gpu_max_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_max_width: int | None = None
+    nvlink_links: int | None = None  # None: NVLink calls are NOT_SUPPORTED (a PCIe card)
+    nvlink_down: int | None = None  # bit l set: link l inactive
+    # per-link counters as comma lists ("0,0,0,5"), position l is link l
+    nvlink_replay: str | None = None
+    nvlink_recovery: str | None = None
+    nvlink_crc_flit: str | None = None
+    nvlink_crc_data: str | None = None
     supported_events: int | None = None
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)
@@ -430,6 +443,19 @@ def _h100(i: int, bus: int) -> FakeGpu:
         clocks_event_reasons=0x1,
         errors={"platform_info": NVML_ERROR_NOT_SUPPORTED},
     )
+
+
+def with_links(gpu: FakeGpu, *, gen: int = 5, width: int = 16, nvlinks: int | None = 18) -> FakeGpu:
+    """`gpu` with a healthy PCIe link (gen/width at their maximum) and, unless `nvlinks` is
+    None, that many active NVLinks with zero error counters."""
+    gpu.pcie_gen = gpu.pcie_max_gen = gpu.pcie_gpu_max_gen = gen
+    gpu.pcie_width = gpu.pcie_max_width = width
+    if nvlinks is not None:
+        zeros = ",".join("0" * nvlinks)
+        gpu.nvlink_links, gpu.nvlink_down = nvlinks, 0
+        gpu.nvlink_replay = gpu.nvlink_recovery = zeros
+        gpu.nvlink_crc_flit = gpu.nvlink_crc_data = zeros
+    return gpu
 
 
 def h100x8() -> FakeNvmlConfig:

@@ -2072,3 +2072,110 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
     RET(NVML_SUCCESS);
 }
 #endif
+
+/* ======================================================================== */
+/* Link health: PCIe link training and NVLink                               */
+/*                                                                          */
+/* GPU keys (each getter NOT_SUPPORTED while its key is unset):             */
+/*   pcie_gen, pcie_max_gen, pcie_gpu_max_gen    link generation (1..6)     */
+/*   pcie_width, pcie_max_width                  lanes (1..16)              */
+/*   nvlink_links <n>    links 0..n-1 exist; a link >= n is                 */
+/*                       INVALID_ARGUMENT; unset: NVLink NOT_SUPPORTED      */
+/*   nvlink_down <mask>  bit l set: link l is inactive                      */
+/*   nvlink_replay, nvlink_recovery, nvlink_crc_flit, nvlink_crc_data       */
+/*                       comma lists, the counter of link l at position l   */
+/*                       (missing positions read 0); an unset list makes   */
+/*                       that counter NOT_SUPPORTED                        */
+/* Error and block keys: the function name, the key, or the group "pcie"   */
+/* (PCIe getters) or "nvlink" (NVLink getters).                             */
+/* Rewriting the file changes any of them for the next call.               */
+
+#ifndef OMIT_nvmlDeviceGetCurrPcieLinkGeneration
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen) {
+    return get_u32(device, __func__, "pcie_gen", "pcie", gen);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetMaxPcieLinkGeneration
+EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen) {
+    return get_u32(device, __func__, "pcie_max_gen", "pcie", gen);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetGpuMaxPcieLinkGeneration
+EXPORT nvmlReturn_t nvmlDeviceGetGpuMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *gen) {
+    return get_u32(device, __func__, "pcie_gpu_max_gen", "pcie", gen);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetCurrPcieLinkWidth
+EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *width) {
+    return get_u32(device, __func__, "pcie_width", "pcie", width);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetMaxPcieLinkWidth
+EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *width) {
+    return get_u32(device, __func__, "pcie_max_width", "pcie", width);
+}
+#endif
+
+#define NVLINK_MAX 18
+
+/* The link-th number of a comma list; 0 when the list is shorter. */
+static unsigned long long list_item(const char *list, unsigned int link) {
+    unsigned int i = 0;
+    const char *p = list;
+    while (i < link && p) {
+        p = strchr(p, ',');
+        if (p) p++;
+        i++;
+    }
+    if (!p) return 0;
+    return strtoull(p, NULL, 0);
+}
+
+/* Resolve an NVLink call: the GPU and whether `link` exists. Caller holds g_lock. */
+static nvmlReturn_t nvlink_resolve(nvmlDevice_t device, const char *fn, const char *key,
+                                   unsigned int link, struct fake_gpu **gp) {
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, fn, KEYS(key, "nvlink"), gp, NULL, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    unsigned long long links;
+    if (!gpu_u64(*gp, "nvlink_links", &links) || links == 0) return NVML_ERROR_NOT_SUPPORTED;
+    if (link >= links || link >= NVLINK_MAX) return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+#ifndef OMIT_nvmlDeviceGetNvLinkState
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link,
+                                             unsigned int *isActive) {
+    struct fake_gpu *g;
+    API_ENTER();
+    nvmlReturn_t rc = nvlink_resolve(device, __func__, "nvlink_down", link, &g);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (!isActive) RET(NVML_ERROR_INVALID_ARGUMENT);
+    unsigned long long down = gpu_u64_or(g, "nvlink_down", 0, NULL);
+    *isActive = (down >> link) & 1ULL ? 0u : 1u;
+    RET(NVML_SUCCESS);
+}
+#endif
+
+#ifndef OMIT_nvmlDeviceGetNvLinkErrorCounter
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link,
+                                                    unsigned int counter,
+                                                    unsigned long long *value) {
+    /* NVML_NVLINK_ERROR_DL_REPLAY, _RECOVERY, _CRC_FLIT, _CRC_DATA */
+    static const char *const names[4] = {"nvlink_replay", "nvlink_recovery", "nvlink_crc_flit",
+                                         "nvlink_crc_data"};
+    struct fake_gpu *g;
+    API_ENTER();
+    if (counter > 3) RET(NVML_ERROR_INVALID_ARGUMENT);
+    nvmlReturn_t rc = nvlink_resolve(device, __func__, names[counter], link, &g);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (!value) RET(NVML_ERROR_INVALID_ARGUMENT);
+    const char *list = gpu_str(g, names[counter]);
+    if (!list) RET(NVML_ERROR_NOT_SUPPORTED);
+    *value = list_item(list, link);
+    RET(NVML_SUCCESS);
+}
+#endif

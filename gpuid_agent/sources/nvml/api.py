@@ -78,6 +78,15 @@ class NvmlApi(Protocol):
     def mps_processes(self, handle: Handle) -> list[ProcessInfo]: ...
     def process_utilization(self, handle: Handle, since_us: int) -> list[ProcessSample]: ...
 
+    # link health: PCIe link training (generation, width) and NVLink (state, error counters)
+    def pcie_link_gen(self, handle: Handle) -> int: ...
+    def pcie_link_max_gen(self, handle: Handle) -> int: ...
+    def pcie_link_gpu_max_gen(self, handle: Handle) -> int: ...
+    def pcie_link_width(self, handle: Handle) -> int: ...
+    def pcie_link_max_width(self, handle: Handle) -> int: ...
+    def nvlink_state(self, handle: Handle, link: int) -> int: ...
+    def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int: ...
+
     # XID events; waited on in their own thread, never the NVML reader thread
     def event_set_create(self) -> EventSet: ...
     def register_xid_events(self, handle: Handle, event_set: EventSet) -> None: ...
@@ -320,6 +329,29 @@ class PynvmlApi:
             )
             for s in raw
         ]
+
+    # ---- link health ---------------------------------------------------------------------
+
+    def pcie_link_gen(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle))
+
+    def pcie_link_max_gen(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+
+    def pcie_link_gpu_max_gen(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration(handle))
+
+    def pcie_link_width(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle))
+
+    def pcie_link_max_width(self, handle: Handle) -> int:
+        return int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+
+    def nvlink_state(self, handle: Handle, link: int) -> int:
+        return int(pynvml.nvmlDeviceGetNvLinkState(handle, link))
+
+    def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int:
+        return int(pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
 
     # ---- XID events ----------------------------------------------------------------------
 

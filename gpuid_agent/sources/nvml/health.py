@@ -18,6 +18,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls, lost_error
+from gpuid_agent.sources.nvml.links import read_nvlinks, read_pcie
 from gpuid_agent.sources.nvml.signals import EccCounts, GpuHealthSignals
 
 _log = log.get("health.nvml")
@@ -59,6 +60,8 @@ class HealthReader:
                 clocks_event_reasons=get("clocks_event_reasons", api.clocks_event_reasons, handle),
                 fabric=get("fabric", api.fabric_info, handle),
                 persistence_mode=get("persistence_mode", api.persistence_mode, handle),
+                pcie=read_pcie(api, self.calls, index, handle, absent=absent, failed=failed),
+                nvlinks=read_nvlinks(api, self.calls, index, handle, absent=absent, failed=failed),
                 absent=MappingProxyType(absent),
                 failed=MappingProxyType(failed),
             )

@@ -205,8 +205,8 @@ class NvmlReader:
 def with_health_fields(
     samples: Mapping[str, GpuSample], signals: Iterable[GpuHealthSignals]
 ) -> dict[str, GpuSample]:
-    """Samples plus the telemetry the health read already has: ECC counts, remapped rows
-    and clock-event reasons (what NVML did not report stays absent)."""
+    """Samples plus the telemetry the health read already has: ECC counts, remapped rows,
+    clock-event reasons and the PCIe link (what NVML did not report stays absent)."""
     merged = dict(samples)
     for signal in signals:
         sample = merged.get(signal.uuid)
@@ -220,6 +220,10 @@ def with_health_fields(
             extra.update(zip(_REMAP_KEYS, map(float, signal.remapped_rows), strict=True))
         if signal.clocks_event_reasons is not None:
             extra["clock_event_reasons"] = float(signal.clocks_event_reasons)
+        if signal.pcie is not None:
+            link = signal.pcie
+            extra["pcie_link_gen"], extra["pcie_link_max_gen"] = link.gen, link.max_gen
+            extra["pcie_link_width"], extra["pcie_link_max_width"] = link.width, link.max_width
         if extra:
             merged[signal.uuid] = GpuSample(
                 uuid=sample.uuid, values=MappingProxyType({**sample.values, **extra})

@@ -13,6 +13,10 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import NamedTuple
 
+from gpuid_agent.model import NVLINK_COUNTERS, NvLink, PcieLink
+
+__all__ = ["NVLINK_COUNTERS", "NvLink", "PcieLink"]
+
 
 class RemappedRows(NamedTuple):
     """nvmlDeviceGetRemappedRows (Ampere+): rows remapped and the remapper's state."""
@@ -80,6 +84,10 @@ class GpuHealthSignals:
     clocks_event_reasons: int | None = None
     fabric: FabricInfo | None = None
     persistence_mode: int | None = None
+    pcie: PcieLink | None = None
+    nvlinks: tuple[NvLink, ...] | None = None  # None: the GPU has no NVLink
+    pcie_replays: int | None = None  # the telemetry read's counter, for the PCIe check
+    utilization: float | None = None  # GPU busy percent from the telemetry read
     lost: str | None = None  # a call said GPU_IS_LOST / RESET_REQUIRED
     absent: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     failed: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))

@@ -8,7 +8,8 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
-from gpuid_agent.model import HealthState
+from gpuid_agent.model import HealthState, NvLink, PcieLink
+from gpuid_agent.state.attribution.model import Holder
 
 CheckState = Literal["healthy", "degraded", "unhealthy", "not_supported", "unknown"]
 Action = Literal["none", "check_workload", "reboot", "hardware_inspection"]
@@ -31,6 +32,8 @@ GPU_CHECKS = (
     "clock_events",
     "fabric",
     "persistence",
+    "pcie",
+    "nvlink",
 )
 NODE_CHECKS = ("gpu_count",)
 
@@ -106,8 +109,15 @@ class GpuHealth:
     checks: Mapping[str, CheckStatus]
     xid_counts: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
     last_xid: int | None = None
+    pcie: PcieLink | None = None  # the link as last read
+    nvlinks: tuple[NvLink, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
+        links: dict[str, Any] = {}
+        if self.pcie is not None:
+            links["pcie"] = self.pcie._asdict()
+        if self.nvlinks:
+            links["nvlink_down"] = [lk.link for lk in self.nvlinks if not lk.active]
         return {
             "index": self.index,
             "uuid": self.uuid,
@@ -116,6 +126,7 @@ class GpuHealth:
             "action": self.action,
             "checks": {name: c.as_dict() for name, c in self.checks.items()},
             "xid_counts": {str(code): n for code, n in sorted(self.xid_counts.items())},
+            **links,
         }
 
 
@@ -149,3 +160,5 @@ class Transition:
     uuid: str | None = None
     index: int | None = None
     gpu_state: HealthState | None = None
+    # who held the GPU (or one of its MIG devices) when it happened; joined by the collector
+    holders: tuple[Holder, ...] = ()

@@ -1,11 +1,13 @@
 """GPU health in one place: the signals read each collection, the XID watcher, and the
 tracker that judges them. The collector calls `check` once per collection and `record_xid`
 per event; both return the check transitions, which travel in the next snapshot (health
-records, logs) while `snapshot()` is the current verdict (/gpu/metrics, Node conditions)."""
+records; logs once joined to the GPU's holders) while `snapshot()` is the current verdict
+(/gpu/metrics, Node conditions)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
@@ -30,7 +32,13 @@ class HealthMonitor:
         board: StatusBoard,
         on_xid: Callable[[XidEvent], None],
     ) -> None:
-        self.tracker = HealthTracker(window=settings.health_window, xid_hold=settings.xid_hold)
+        self.tracker = HealthTracker(
+            window=settings.health_window,
+            xid_hold=settings.xid_hold,
+            pcie_replay_threshold=settings.pcie_replay_threshold,
+            xid_repeat_count=settings.xid_repeat_count,
+            xid_repeat_window=settings.xid_repeat_window,
+        )
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
         # long stopping the XID thread takes.
@@ -50,7 +58,9 @@ class HealthMonitor:
         allocatable: int | None,
     ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
         readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
-        signals = await nvml.run(lambda: self.reader.read(readable), "health read")
+        signals = with_telemetry(
+            await nvml.run(lambda: self.reader.read(readable), "health read"), reading
+        )
         self.xid.watch(readable)
         expected, source = (
             (self._expected, "EXPECTED_GPU_COUNT")
@@ -70,7 +80,6 @@ class HealthMonitor:
             self._board.set("health", "degraded", self.xid.unavailable)
         else:
             self._board.set("health", "ok")
-        _log_transitions(transitions)
         return signals, transitions
 
     async def close(self, within: float) -> None:
@@ -80,12 +89,30 @@ class HealthMonitor:
             _log.warning("XID thread still waiting at shutdown")
 
     def record_xid(self, event: XidEvent) -> list[Transition]:
-        transitions = self.tracker.record_xid(event)
-        _log_transitions(transitions)
-        return transitions
+        return self.tracker.record_xid(event)
 
 
-def _log_transitions(transitions: list[Transition]) -> None:
+def with_telemetry(
+    signals: dict[int, GpuHealthSignals], reading: NvmlReading
+) -> dict[int, GpuHealthSignals]:
+    """Signals plus what the telemetry read already has and the link check needs (busy
+    percent, PCIe replays), so no NVML call is made twice per collection."""
+    merged = {}
+    for index, sig in signals.items():
+        sample = reading.samples.get(sig.uuid)
+        values = sample.values if sample is not None else {}
+        replays, util = values.get("pcie_replay"), values.get("gpu_util")
+        merged[index] = dataclasses.replace(
+            sig,
+            pcie_replays=None if replays is None else int(replays),
+            utilization=util,
+        )
+    return merged
+
+
+def log_transitions(transitions: Iterable[Transition]) -> None:
+    """One log line per transition, naming who held the GPU (the collector logs them once
+    they are joined to their holders)."""
     for t in transitions:
         level = 30 if t.current.state in ("degraded", "unhealthy") else 20
         _log.log(
@@ -98,5 +125,6 @@ def _log_transitions(transitions: list[Transition]) -> None:
                 "previous": t.previous.state if t.previous else None,
                 "reason": t.current.reason,
                 "action": t.current.action,
+                "holders": [f"{h.namespace}/{h.pod}/{h.container}" for h in t.holders],
             },
         )

@@ -16,16 +16,17 @@ Runs on the event loop only (XIDs arrive from their thread through call_soon_thr
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieLink, XidEvent
 from gpuid_agent.state.health import checks as rules
 from gpuid_agent.state.health.fabric import fabric_verdict
+from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
 from gpuid_agent.state.health.model import (
     GPU_CHECKS,
     CheckStatus,
@@ -35,7 +36,7 @@ from gpuid_agent.state.health.model import (
     Verdict,
     worst,
 )
-from gpuid_agent.state.health.xid import XidClass, classify_xid
+from gpuid_agent.state.health.xid import XidClass, classify_xid, escalate
 
 # Entering one of these states is not news when a check is first evaluated.
 _QUIET_START = ("healthy", "not_supported")
@@ -84,6 +85,7 @@ class _Gpu:
     index: int
     serial: str | None
     window: float
+    replay_threshold: int = 0
     states: _Checks = field(default_factory=_Checks)
     ecc_corrected: rules.CounterWindow = field(init=False)
     ecc_uncorrected: rules.CounterWindow = field(init=False)
@@ -92,11 +94,18 @@ class _Gpu:
     last_xid: int | None = None
     latched: XidClass | None = None
     recent: list[tuple[float, XidClass]] = field(default_factory=list)
+    xid_times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
+    pcie: PcieWatch = field(init=False)
+    nvlink: NvLinkWatch = field(init=False)
+    pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
+    nvlinks: tuple[NvLink, ...] = ()
 
     def __post_init__(self) -> None:
         self.ecc_corrected = rules.CounterWindow(self.window)
         self.ecc_uncorrected = rules.CounterWindow(self.window)
         self.clocks = rules.ReasonWindow(self.window)
+        self.pcie = PcieWatch(self.window, self.replay_threshold)
+        self.nvlink = NvLinkWatch(self.window)
 
 
 class HealthTracker:
@@ -105,11 +114,17 @@ class HealthTracker:
         *,
         window: float = 300.0,
         xid_hold: float = 600.0,
+        pcie_replay_threshold: int = 0,
+        xid_repeat_count: int = 0,
+        xid_repeat_window: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.window = window
         self.xid_hold = xid_hold
+        self.pcie_replay_threshold = pcie_replay_threshold
+        self.xid_repeat_count = xid_repeat_count
+        self.xid_repeat_window = xid_repeat_window
         self._clock = clock
         self._wall = wall
         self._gpus: dict[str, _Gpu] = {}
@@ -148,7 +163,9 @@ class HealthTracker:
                 if state is not None:
                     state.uuid, state.serial = gpu.uuid, gpu.serial
                 else:
-                    state = _Gpu(gpu.uuid, gpu.index, gpu.serial, self.window)
+                    state = _Gpu(
+                        gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold
+                    )
                 self._gpus[gpu.uuid] = state
                 self._snapshot = None
             elif (state.index, state.serial) != (gpu.index, gpu.serial):
@@ -177,7 +194,7 @@ class HealthTracker:
         state.xid_counts[event.code] += 1
         state.last_xid = event.code
         self._snapshot = None
-        cls = classify_xid(event.code)
+        cls = self._repeated(state, classify_xid(event.code))
         if cls.state != "healthy":
             if cls.latched:
                 state.latched = rules.worst_xid([c for c in (state.latched, cls) if c])
@@ -185,6 +202,17 @@ class HealthTracker:
                 state.recent.append((self._clock(), cls))
         verdict = self._xid_verdict(state, self._clock())
         return self._apply(state, {"xid": verdict}, self._wall())
+
+    def _repeated(self, state: _Gpu, cls: XidClass) -> XidClass:
+        """`cls`, one action step stronger once its code repeated often enough."""
+        now = self._clock()
+        seen = state.xid_times.setdefault(cls.code, deque())
+        seen.append(now)
+        while seen and seen[0] <= now - self.xid_repeat_window:
+            seen.popleft()
+        if self.xid_repeat_count <= 0 or len(seen) < self.xid_repeat_count:
+            return cls
+        return escalate(cls, len(seen), rules.format_window(self.xid_repeat_window))
 
     # ---- evaluation ----------------------------------------------------------------------
 
@@ -217,7 +245,26 @@ class HealthTracker:
         verdicts["persistence"] = self._signal(
             sig, "persistence_mode", sig.persistence_mode, rules.persistence_verdict
         )
+        verdicts["pcie"] = self._pcie(state, sig, now)
+        verdicts["nvlink"] = self._nvlink(state, sig, now)
         return verdicts
+
+    def _pcie(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+        if state.pcie_link != sig.pcie:
+            state.pcie_link = sig.pcie
+            self._snapshot = None
+        if sig.pcie is None:
+            return self._missing(sig, "pcie_link")
+        return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now)
+
+    def _nvlink(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+        links = sig.nvlinks or ()
+        if state.nvlinks != links:
+            state.nvlinks = links
+            self._snapshot = None
+        if sig.nvlinks is None:
+            return self._missing(sig, "nvlink")
+        return state.nvlink.verdict(sig.nvlinks, now)
 
     @staticmethod
     def _missing(sig: GpuHealthSignals, name: str) -> Verdict:
@@ -305,6 +352,8 @@ class HealthTracker:
                         checks=MappingProxyType(ordered),
                         xid_counts=MappingProxyType(dict(s.xid_counts)),
                         last_xid=s.last_xid,
+                        pcie=s.pcie_link,
+                        nvlinks=s.nvlinks,
                     )
                 )
             self._snapshot = NodeHealth(tuple(gpus), MappingProxyType(dict(self._node.current)))

@@ -1,0 +1,97 @@
+"""Health joined to workloads: records and /status name who held a GPU when it went bad.
+
+Real parts: the fake libnvidia-ml delivers the XID, a grpc kubelet on a unix socket maps the
+devices, and the fake Kubernetes API gives the pods' owners.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.nvml.api import PynvmlApi
+from tests import fakenvml
+from tests.conftest import eventually, running_agent, settings
+from tests.fakekube import FakeKube
+from tests.fakekubelet import FakeKubelet, pod
+from tests.fakenvml.fixtures import FakeNvml
+from tests.test_attribution_pods import kube, kubeconfig, workloads
+
+__all__ = ["kube", "kubeconfig"]  # fixtures
+
+
+def _health(out: io.BytesIO) -> list[dict[str, Any]]:
+    rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    return [r for r in rows if r["kind"] == "health"]
+
+
+async def test_an_xid_record_and_status_name_the_pods_and_workloads_on_the_gpu(
+    fake_nvml: FakeNvml,
+    kubelet: FakeKubelet,
+    kube: FakeKube,
+    kubeconfig: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    pods = workloads(kube)
+    config = fakenvml.h100x8()
+    config.gpus = config.gpus[:3]
+    fake_nvml.apply(config)
+    gpu1 = config.gpus[1].uuid or ""
+    kubelet.pods = [
+        pod("default", "web-7d4b9c8f6d-abcde", "main", "nvidia.com/gpu", config.gpus[0].uuid or ""),
+        pod("default", "db-0", "main", "nvidia.com/gpu", gpu1),
+        pod("default", "ghost", "side", "nvidia.com/gpu", gpu1),  # unknown to the API
+    ]
+    out = io.BytesIO()
+    s = settings(
+        kube_api="auto",
+        pod_resources_socket=kubelet.socket_path,
+        pod_resources_interval=0.05,
+        nvml_library_path=str(fake_nvml.lib_path),
+    )
+    agent = Agent(s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(out)])
+    async with running_agent(agent), aiohttp.ClientSession() as http:
+        await eventually(lambda: out.getvalue().count(b'"kind":"allocation"') >= 3)
+        await eventually(lambda: agent.xid.alive)
+        config.gpus[1].xids.append((79, 0))
+        fake_nvml.apply(config)
+        [record] = await eventually(lambda: [r for r in _health(out) if r["check"] == "xid"])
+        async with http.get(f"http://127.0.0.1:{agent.bound_port}/status") as resp:
+            status = await resp.json()
+    assert (record["index"], record["state"], record["reason"]) == (
+        1,
+        "unhealthy",
+        "XID 79: GPU has fallen off the bus",
+    )
+    assert record["holders"] == [
+        {
+            "namespace": "default",
+            "pod": "db-0",
+            "container": "main",
+            "pod_uid": pods["db-0"]["metadata"]["uid"],
+            "workload_kind": "StatefulSet",
+            "workload_name": "db",
+        },
+        {"namespace": "default", "pod": "ghost", "container": "side"},
+    ]
+    gpus = status["health"]["gpus"]
+    assert gpus[1]["state"] == "unhealthy" and gpus[1]["holders"] == record["holders"]
+    assert "holders" not in gpus[0]  # healthy: nothing to join
+    # the transition's log line names them too
+    logged = [
+        getattr(r, "holders", None)
+        for r in caplog.records
+        if r.getMessage() == "GPU health: xid is unhealthy"
+    ]
+    assert logged == [["default/db-0/main", "default/ghost/side"]]
+    # a record of a GPU nobody held carries no holders at all (its id is as before)
+    assert all("holders" not in r for r in _health(out) if r["index"] != 1)

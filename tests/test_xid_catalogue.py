@@ -1,0 +1,221 @@
+"""The XID catalogue as data: complete, judged, safe against hostile codes, documented, and
+repeats escalate."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuid_agent import docs
+from gpuid_agent.model import GpuIdentity
+from gpuid_agent.runtime.errors import ConfigError
+from gpuid_agent.sources.nvml.signals import XidEvent
+from gpuid_agent.state.health.model import ACTIONS
+from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.xid import (
+    CATALOG,
+    CATALOG_FILE,
+    XID_TABLE,
+    classify_xid,
+    escalate,
+    parse_catalog,
+)
+from tests import fakenvml
+from tests.conftest import eventually, settings
+from tests.fakenvml.fixtures import FakeNvml
+from tests.test_health_nvml import agent_on
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+RAW = resources.files("gpuid_agent.state.health").joinpath(CATALOG_FILE).read_text("utf-8")
+
+
+def test_every_code_nvidia_lists_is_there_with_its_source_and_date() -> None:
+    assert sorted(CATALOG.entries) == list(range(1, 173))
+    assert "docs.nvidia.com/deploy/xid-errors" in CATALOG.source
+    assert datetime.strptime(CATALOG.retrieved, "%Y-%m-%d")
+    for entry in CATALOG.entries.values():
+        assert entry.mnemonic and entry.description and entry.category
+        assert set(entry.applies_to) <= {"A100", "H100", "B100", "GB200"}
+        # no bucket in the catalogue: the agent's own judgement must say why
+        assert entry.immediate is not None or entry.override
+
+
+@pytest.mark.parametrize(
+    ("code", "bucket", "state", "action", "latched"),
+    [
+        (13, "RESTART_APP", "degraded", "check_workload", False),
+        (31, "RESTART_APP", "degraded", "check_workload", False),
+        (43, "IGNORE", "healthy", "none", False),
+        (45, "WORKFLOW_XID_45", "healthy", "none", False),
+        (48, "WORKFLOW_XID_48", "unhealthy", "reboot", True),
+        (54, "CHECK_MECHANICALS", "unhealthy", "hardware_inspection", True),
+        (74, "WORKFLOW_NVLINK_ERR", "unhealthy", "reboot", True),
+        (79, "RESTART_BM", "unhealthy", "reboot", True),
+        (94, "RESTART_APP", "degraded", "check_workload", False),
+        (95, "RESET_GPU", "unhealthy", "reboot", True),
+        (119, "RESET_GPU", "unhealthy", "reboot", True),
+        (145, "WORKFLOW_NVLINK5_ERR", "unhealthy", "reboot", True),
+        (154, "XID_154", "unhealthy", "reboot", True),
+        (1, "CONTACT_SUPPORT", "degraded", "hardware_inspection", False),  # unused
+    ],
+)
+def test_the_bucket_decides_the_judgement(
+    code: int, bucket: str, state: str, action: str, latched: bool
+) -> None:
+    cls = classify_xid(code)
+    assert (cls.bucket, cls.state, cls.action, cls.latched) == (bucket, state, action, latched)
+    assert cls.known and cls.code == code
+
+
+def test_where_the_agent_differs_from_the_bucket_it_says_why() -> None:
+    overridden = {c: e for c, e in CATALOG.entries.items() if e.override}
+    assert {63, 64, 92} <= set(overridden)
+    assert classify_xid(63).action == "reboot"  # IGNORE in the catalogue: a reset applies it
+    assert all(len(e.override or "") > 20 for e in overridden.values())
+
+
+@given(
+    st.one_of(
+        st.integers(),
+        st.integers(-(2**70), 2**70),
+        st.booleans(),
+        st.none(),
+        st.floats(),
+        st.text(max_size=8),
+        st.binary(max_size=8),
+    )
+)
+def test_any_code_gets_a_class_and_unknown_ones_are_reported_as_unknown(code: object) -> None:
+    cls = classify_xid(code)  # type: ignore[arg-type]
+    assert cls.state in ("healthy", "degraded", "unhealthy") and cls.action in ACTIONS
+    listed = isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 172
+    assert cls.known is listed
+    if listed:
+        assert cls is XID_TABLE[code]  # type: ignore[index]
+    else:
+        assert (cls.state, cls.action, cls.latched) == ("degraded", "check_workload", False)
+        assert cls.name.startswith("unknown XID")
+
+
+@given(st.sampled_from(sorted(XID_TABLE)), st.text(max_size=12))
+def test_a_corrupted_bucket_is_refused_naming_the_code(code: int, bucket: str) -> None:
+    doc = json.loads(RAW)
+    row = next(r for r in doc["xids"] if r["code"] == code)
+    row.pop("agent", None)
+    row["category"], row["immediate"] = "engine", bucket
+    if bucket in doc["buckets"]:
+        assert parse_catalog(json.dumps(doc)).entries[code].immediate == bucket
+    else:
+        with pytest.raises(ValueError, match=f"XID {code}"):
+            parse_catalog(json.dumps(doc))
+
+
+def test_a_repeated_code_is_refused() -> None:
+    doc = json.loads(RAW)
+    doc["xids"].append(dict(doc["xids"][0]))
+    with pytest.raises(ValueError, match="repeated"):
+        parse_catalog(json.dumps(doc))
+
+
+def test_escalation_steps_the_action_once_and_leaves_counted_only_alone() -> None:
+    assert escalate(classify_xid(13), 3, "1h").action == "reboot"
+    assert escalate(classify_xid(79), 3, "1h").action == "hardware_inspection"
+    top = classify_xid(64)
+    assert escalate(top, 9, "1h") is top
+    assert escalate(classify_xid(45), 50, "1h") is classify_xid(45)
+
+
+def _tracker(now: list[float], count: int = 3) -> HealthTracker:
+    tracker = HealthTracker(
+        xid_hold=1e6,
+        xid_repeat_count=count,
+        xid_repeat_window=60.0,
+        clock=lambda: now[0],
+        wall=lambda: datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    tracker.observe([GpuIdentity(index=0, uuid="GPU-0", serial="S0")], {}, {})
+    return tracker
+
+
+def _xid(code: int) -> XidEvent:
+    return XidEvent(0, "GPU-0", code, datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def test_the_same_xid_n_times_in_the_window_raises_the_action_one_step() -> None:
+    now = [0.0]
+    tracker = _tracker(now)
+    [first] = tracker.record_xid(_xid(13))
+    assert (first.current.state, first.current.action) == ("degraded", "check_workload")
+    now[0] = 10.0
+    assert tracker.record_xid(_xid(13)) == []  # twice: no news
+    now[0] = 20.0
+    [third] = tracker.record_xid(_xid(13))
+    assert (third.current.state, third.current.action) == ("degraded", "reboot")
+    assert third.current.reason == (
+        "XID 13: graphics engine exception (usually an out-of-bounds access in the application)"
+        " (seen 3 times in 1m) (recent)"
+    )
+
+
+def test_repeats_outside_the_window_do_not_escalate_and_zero_turns_it_off() -> None:
+    now = [0.0]
+    tracker = _tracker(now)
+    for t in (0.0, 61.0, 122.0):
+        now[0] = t
+        tracker.record_xid(_xid(31))
+    assert tracker.snapshot().gpus[0].checks["xid"].action == "check_workload"
+    off = _tracker([0.0], count=0)
+    for _ in range(10):
+        off.record_xid(_xid(79))
+    assert off.snapshot().gpus[0].checks["xid"].action == "reboot"
+
+
+def test_an_unknown_xid_is_shown_and_counted_not_dropped() -> None:
+    tracker = _tracker([0.0])
+    [transition] = tracker.record_xid(_xid(4242))
+    assert transition.current.reason == "XID 4242: unknown XID (not in the catalogue) (recent)"
+    assert tracker.snapshot().gpus[0].xid_counts == {4242: 1}
+
+
+def test_docs_health_md_carries_the_table_the_data_file_gives() -> None:
+    committed = (DOCS / "health.md").read_text(encoding="utf-8")
+    assert docs.health_page(committed) == committed, "run `python -m gpuid_agent.docs`"
+    assert "172 codes" in committed
+    for code, entry in CATALOG.entries.items():
+        if entry.category != "unused":
+            assert f"| {code} | `{entry.mnemonic}` |" in committed
+
+
+def test_the_page_generator_refuses_a_page_without_markers() -> None:
+    with pytest.raises(ValueError, match="markers"):
+        docs.health_page("# Health\n")
+
+
+async def test_repeats_and_unknown_codes_through_the_driver(fake_nvml: FakeNvml) -> None:
+    config = fakenvml.h100x8()
+    config.gpus = config.gpus[:2]
+    async with agent_on(fake_nvml, config, xid_repeat_count=3, xid_repeat_window=3600) as run:
+        await eventually(lambda: run.agent.xid.alive)
+        config.gpus[0].xids = [(13, 0), (13, 1), (13, 2)]
+        config.gpus[1].xids = [(4242, 0)]
+        fake_nvml.apply(config)
+        await eventually(lambda: run.check(0, "xid").action == "reboot")
+        records = await run.settled_health(3, check="xid")
+    by_gpu = {(r["index"], r["action"]): r["reason"] for r in records}
+    assert by_gpu[(0, "check_workload")].startswith("XID 13: graphics engine exception")
+    assert "(seen 3 times in 1h)" in by_gpu[(0, "reboot")]
+    assert by_gpu[(1, "check_workload")].startswith("XID 4242: unknown XID")
+    assert run.agent.health.snapshot().gpus[1].xid_counts == {4242: 1}
+
+
+def test_repeat_settings_are_validated_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match="XID_REPEAT_COUNT"):
+        settings(xid_repeat_count=-1)
+    with pytest.raises(ConfigError, match="PCIE_REPLAY_THRESHOLD"):
+        settings(pcie_replay_threshold="many")
