@@ -98,9 +98,8 @@ def samples(text: str, family: str) -> list[dict[str, str]]:
 
 
 def claim_rows(text: str) -> set[tuple[str, ...]]:
-    gi = "GPU_I_ID" if "DCGM_FI_DEV_INFO" in text else "gpu_instance_id"
-    return {
-        (s["pod"], s[gi], s["claim_name"], s["dra_device"], s["source"])
+    return {  # a gpuid_* family: snake_case labels under either naming
+        (s["pod"], s["gpu_instance_id"], s["claim_name"], s["dra_device"], s["source"])
         for s in samples(text, "gpuid_gpu_claim_info")
     }
 
@@ -132,8 +131,11 @@ async def test_dra_through_resourceslices_with_a_mig_device_appearing(
             }
             # the NIC driver's claim is not a GPU: nowhere
             assert "rdma" not in text
-            uuid, gi = ("UUID", "GPU_I_ID") if naming == "dcgm" else ("uuid", "gpu_instance_id")
-            held = {(s[uuid], s[gi], s["pod"]) for s in samples(text, "gpuid_gpu_allocation_info")}
+            # gpuid_* families keep snake_case labels under either naming
+            held = {
+                (s["uuid"], s["gpu_instance_id"], s["pod"])
+                for s in samples(text, "gpuid_gpu_allocation_info")
+            }
             assert held == {
                 (gpu1, "", "train-0"),
                 (gpu2, "", "serve-a"),

@@ -31,8 +31,8 @@ def _clean(value: str) -> str:
 def build_claim_family(
     inventory: NodeInventory, attribution: Attribution | None, naming: Naming
 ) -> GaugeMetricFamily:
-    dcgm = naming == "dcgm"
-    names = [d if dcgm else p for p, d in (*JOIN_LABELS, *MIG_LABELS, *HOLDER_LABELS)]
+    del naming  # a gpuid_* family: snake_case labels under either naming
+    names = [p for p, _ in (*JOIN_LABELS, *MIG_LABELS, *HOLDER_LABELS)]
     family = GaugeMetricFamily(
         CLAIM_INFO,
         "One series (value 1) per container holding a GPU or MIG device through a DRA claim; "
