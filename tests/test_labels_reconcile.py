@@ -136,9 +136,12 @@ async def test_h100_eight_serials_one_patch_then_quiet(harness: Harness) -> None
     assert harness.value("gpuid_label_patches_total", {"result": "applied"}) == 1
     assert harness.value("gpuid_labels_in_sync") == 1
     assert harness.value("gpuid_label_last_success_timestamp_seconds") > 0
-    assert harness.value(
-        "gpuid_kube_api_requests_total", {"verb": "get", "resource": "nodes", "code": "200"}
-    ) == 2
+    assert (
+        harness.value(
+            "gpuid_kube_api_requests_total", {"verb": "get", "resource": "nodes", "code": "200"}
+        )
+        == 2
+    )
     assert harness.state() == ("ok", None)
 
 
@@ -330,7 +333,9 @@ async def test_api_down_at_start_then_up_converges(tmp_path: Path) -> None:
     labeler = h.run(h.labeler())
     try:
         labeler.offer(gb200())
-        await until(lambda: h.value("gpuid_label_reconcile_errors_total", {"reason": "connection"}) >= 2)
+        await until(
+            lambda: h.value("gpuid_label_reconcile_errors_total", {"reason": "connection"}) >= 2
+        )
         state, reason = h.state()
         assert state == "degraded"
         assert reason is not None
