@@ -97,7 +97,7 @@ class StatusPage:
             "problems": problems,
             "components": self._board.as_dict(),
             "labels": parts.pop("labels", None),
-            "health": collector.health.snapshot().as_dict(),
+            "health": collector.health.status(),
             "inventory": None
             if inventory is None
             else {

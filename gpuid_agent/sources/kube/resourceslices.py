@@ -145,6 +145,10 @@ class ResourceSliceCache:
     def lookup(self, driver: str, pool: str, device: str) -> SliceDevice | None:
         return self._index.get((driver, pool, device))
 
+    def devices(self) -> tuple[SliceDevice, ...]:
+        """Every device of the pools' newest generations."""
+        return tuple(self._index.values())
+
     def status(self) -> dict[str, Any]:
         return {
             "available": self._available,
