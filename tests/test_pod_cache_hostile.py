@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.streams import StreamReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.sources.kube.client import create_kube_client
+from gpuid_agent.sources.kube.client import WATCH_LINE_LIMIT, create_kube_client, watch_lines
 from gpuid_agent.sources.kube.pods import PodCache
 from tests.conftest import eventually
 from tests.fakekube import FakeKube, objects, write_kubeconfig
@@ -252,7 +254,7 @@ events = st.fixed_dictionaries(
         | json_values,
     }
 )
-watch_lines = st.lists(
+hostile_lines = st.lists(
     events.map(line) | json_values.map(line) | st.binary(max_size=24), min_size=1, max_size=6
 )
 
@@ -262,7 +264,7 @@ watch_lines = st.lists(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(lines=watch_lines)
+@given(lines=hostile_lines)
 async def test_any_watch_lines_are_survived(
     kube: FakeKube, tmp_path: Path, lines: list[bytes]
 ) -> None:
@@ -270,3 +272,52 @@ async def test_any_watch_lines_are_survived(
         for raw in lines:
             kube.send_raw(raw, "pods")
         await run.real_change_arrives()
+
+
+async def test_a_large_pod_is_applied_and_an_oversized_line_skipped(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    """A pod whose JSON is far over aiohttp's default line size arrives like any other; a line
+    over the limit is skipped without being held in memory, and the watch goes on."""
+    async with Running(kube, tmp_path) as run:
+        big = objects.pod("big", node_name=NODE, labels={"team": "t"})
+        env = [{"name": f"VAR_{i}", "value": "v" * 100} for i in range(3000)]
+        big["spec"]["containers"][0]["env"] = env
+        assert len(json.dumps(big)) > 300_000
+        kube.create(big)
+        meta = await eventually(lambda: run.cache.lookup("default", "big"))
+        assert dict(meta.labels) == {"team": "t"}
+        kube.send_raw(b"[" * (WATCH_LINE_LIMIT + 10), "pods")
+        await eventually(lambda: run.malformed() == 1)
+        assert run.kube.open_watches == 1
+        await run.real_change_arrives()
+
+
+async def _lines(chunks: list[bytes], limit: int) -> list[bytes | None]:
+    loop = asyncio.get_running_loop()
+    stream = StreamReader(BaseProtocol(loop), 2**16, loop=loop)
+    for chunk in chunks:
+        stream.feed_data(chunk)
+    stream.feed_eof()
+    return [line async for line in watch_lines(stream, limit)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=24).map(lambda b: b.replace(b"\n", b"")), max_size=8),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+    final_newline=st.booleans(),
+)
+def test_watch_lines_splits_any_chunking(
+    lines: list[bytes], cuts: list[int], final_newline: bool
+) -> None:
+    """However the stream is cut into chunks, each line comes out once, and exactly the lines
+    over the limit come out as None."""
+    limit = 12
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    want: list[bytes | None] = [None if len(line) > limit else line for line in lines]
+    if lines and not final_newline and not lines[-1]:
+        want.pop()  # an empty last line without its newline is no line
+    assert asyncio.run(_lines(chunks, limit)) == want

@@ -30,7 +30,7 @@ from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, watch_lines
 from gpuid_agent.sources.kube.client import request_json as _json
 from gpuid_agent.sources.kube.client import status_message as _status_message
 from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
@@ -272,7 +272,10 @@ class PodCache:
         try:
             if not 200 <= resp.status < 300:
                 raise KubeApiError(resp.status, _status_message(await resp.read()))
-            while line := await resp.content.readline():
+            async for line in watch_lines(resp.content):
+                if line is None:
+                    self._malformed("pod watch line over the size limit")
+                    continue
                 if not line.strip():
                     continue
                 try:
