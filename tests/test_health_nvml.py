@@ -136,7 +136,9 @@ async def test_xid_79_makes_that_gpu_unhealthy_and_everything_else_carries_on(
         families = _metrics(text)
         # the declared names (docs, chart checks) cover every family really served
         declared = set(gpu_metrics.metric_names("prometheus"))
-        assert {f.name + ("_total" if f.type == "counter" else "") for f in families.values()} <= declared
+        assert {
+            f.name + ("_total" if f.type == "counter" else "") for f in families.values()
+        } <= declared
         xids = [s for s in families["gpuid_gpu_xid_errors"].samples if s.name.endswith("_total")]
         assert [(s.labels["gpu"], s.labels["xid"], s.value) for s in xids] == [("2", "79", 1.0)]
         overall = {

@@ -74,7 +74,9 @@ RESOLVED = {
 
 
 @pytest.mark.parametrize(("device_id", "want"), RESOLVED.items())
-def test_every_known_form_resolves(device_id: str, want: tuple[str, str | None, int | None]) -> None:
+def test_every_known_form_resolves(
+    device_id: str, want: tuple[str, str | None, int | None]
+) -> None:
     ref = parse_device_id(device_id)
     gpu, mig = DeviceIndex(inventory()).resolve(ref)
     assert (gpu.uuid, mig.uuid if mig else None, ref.replica) == want

@@ -178,8 +178,9 @@ async def test_kubelet_restart_mid_run(
         assert not await asyncio.to_thread(os.path.exists, kubelet.socket_path)
         await eventually(lambda: src.failure is not None and src.failure.reason == "socket_missing")
         await eventually(
-            lambda: (metric(src, "gpuid_pod_resources_polls_total", outcome="socket_missing") or 0)
-            >= 3
+            lambda: (
+                (metric(src, "gpuid_pod_resources_polls_total", outcome="socket_missing") or 0) >= 3
+            )
         )
         # within the staleness window the last good mapping is still served
         assert devices(src) == {("a", "before", "c", "nvidia.com/gpu", GPU_A)}
@@ -189,8 +190,10 @@ async def test_kubelet_restart_mid_run(
         kubelet.pods = [pod("a", "after", "c", "nvidia.com/gpu", GPU_B)]
         await kubelet.start()  # a new socket at the same path
         await eventually(
-            lambda: src.current() is not None
-            and {a.pod for a in src.current().assignments} == {"after"}  # type: ignore[union-attr]
+            lambda: (
+                src.current() is not None
+                and {a.pod for a in src.current().assignments} == {"after"}
+            )  # type: ignore[union-attr]
         )
         assert src.board.is_ok("pod-resources")
     finally:
@@ -245,7 +248,9 @@ async def test_stale_mapping_is_not_served_forever(kubelet: FakeKubelet) -> None
         assert src.current() is None
         assert metric(src, "gpuid_pod_resources_stale") == 1
         state = src.board.get("pod-resources")
-        assert state is not None and state.state == "unavailable" and "stale" in (state.reason or "")
+        assert (
+            state is not None and state.state == "unavailable" and "stale" in (state.reason or "")
+        )
         assert src.status()["stale"] is True
 
         kubelet.behaviour.fail.clear()

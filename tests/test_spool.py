@@ -174,7 +174,10 @@ async def test_next_batch_is_read_ahead_while_one_is_sent(tmp_path: Path) -> Non
     assert second is not None
     assert second.path is not None
     for _ in range(200):  # the read-ahead runs in a thread; let it finish
-        if second.meta.batch_id in spool._prefetched and spool._prefetched[second.meta.batch_id].done():
+        if (
+            second.meta.batch_id in spool._prefetched
+            and spool._prefetched[second.meta.batch_id].done()
+        ):
             break
         await asyncio.sleep(0.01)
     second.path.rename(tmp_path / "moved-away")  # only the read-ahead copy can answer now

@@ -108,7 +108,8 @@ ALLOCATIONS: tuple[Column, ...] = (
         "claim_source",
         _TEXT,
         "string",
-        "how the DRA device was joined: `dra` (ResourceSlices) or `dra-fallback` (node-local)",
+        "how the DRA device was joined at the start: `dra` (ResourceSlices) or "
+        "`dra-fallback` (node-local)",
     ),
     _alloc("started_at", _TIME, "timestamp", "earliest start seen"),
     _alloc("ended_at", _TIME, "timestamp", "earliest end seen; NULL while it lasts"),

@@ -79,7 +79,9 @@ class AllocationRecord:
     # Only an allocation through a DRA claim carries these (device-plugin records are as before)
     claim_namespace: str | None = None
     claim_name: str | None = None
-    claim_source: str | None = None  # "dra" (joined via ResourceSlices) or "dra-fallback"
+    # "dra" (joined via ResourceSlices) or "dra-fallback", as at the start: an allocation is
+    # not started again when its slices arrive, and its end repeats the start's fields
+    claim_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

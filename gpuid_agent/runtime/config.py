@@ -285,7 +285,10 @@ class Settings(OtelSettings):
 
     # health
     expected_gpu_count: int = Field(
-        -1, ge=-1, description="Expected GPUs on the node; -1 takes the kubelet's count."
+        -1,
+        ge=-1,
+        description="Expected GPUs on the node; -1 takes the kubelet's allocatable count, or "
+        "on a node with GPUs only through DRA the DRA driver's ResourceSlices.",
     )
     node_conditions: bool = Field(False, description="Write a Node condition per unhealthy GPU.")
     health_window: PositiveDuration = Field(

@@ -273,6 +273,11 @@ class AttributionMetrics:
         self.pod_cache_relists = Counter(
             "gpuid_pod_cache_relists_total", "Full LISTs of this node's pods.", registry=r
         )
+        self.pod_cache_malformed = Counter(
+            "gpuid_pod_cache_malformed_total",
+            "Pod list items, watch lines and watch events skipped as malformed.",
+            registry=r,
+        )
         self.owner_lookups = Counter(
             "gpuid_owner_lookups_total",
             "Workload owner lookups by outcome (cached, api, forbidden, not_found, error).",

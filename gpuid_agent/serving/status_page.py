@@ -99,9 +99,12 @@ class StatusPage:
             "components": self._board.as_dict(),
             "labels": parts.pop("labels", None),
             "hardware": parts.pop("hardware", None),
-            "health": health_status(
-                collector.health.snapshot(), inventory, collector.attributor.current
-            ),
+            "health": {
+                **health_status(
+                    collector.health.snapshot(), inventory, collector.attributor.current
+                ),
+                "expected_gpus": collector.health.expected_gpus(),
+            },
             "inventory": None
             if inventory is None
             else {

@@ -97,10 +97,12 @@ class Collector:
         self._busy_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # GPUs the kubelet can allocate (None without GetAllocatableResources); compared with
-        # NVML's count when EXPECTED_GPU_COUNT is -1.
+        # NVML's count when EXPECTED_GPU_COUNT is -1. A node whose GPUs are all handed out
+        # through DRA has none: the DRA driver's ResourceSlices count them instead.
         self.allocatable_gpu_count: Callable[[], int | None] = lambda: count_allocatable_gpus(
             attributor.source.current(), self.inventory
         )
+        self.dra_gpu_count: Callable[[], int | None] = attributor.dra_gpu_count
         board.set("nvml", "starting")
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -220,7 +222,11 @@ class Collector:
         self._loop = asyncio.get_running_loop()
         try:
             return await self.health.check(
-                inventory, reading, self.nvml, self.allocatable_gpu_count()
+                inventory,
+                reading,
+                self.nvml,
+                self.allocatable_gpu_count(),
+                self.dra_gpu_count(),
             )
         except NvmlError as exc:
             self._board.set("health", "degraded", f"health read failed: {exc}")

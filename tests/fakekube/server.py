@@ -105,6 +105,7 @@ class Fault:
     the stall). retry_after: seconds in Retry-After (and details.retryAfterSeconds).
     delay: stall this long before answering. hang: never answer (until the server stops).
     drop: close the connection without an answer. path: exact path, or a compiled regex.
+    body: answer 200 with these bytes as they are (a malformed reply).
     """
 
     status: int | None = None
@@ -118,6 +119,7 @@ class Fault:
     drop: bool = False
     reason: str | None = None
     message: str | None = None
+    body: bytes | None = None
     hits: int = 0
 
     def matches(self, method: str, verb: str, path: str) -> bool:
@@ -348,6 +350,7 @@ class FakeKube:
         drop: bool = False,
         reason: str | None = None,
         message: str | None = None,
+        body: bytes | None = None,
     ) -> Fault:
         fault = Fault(
             status=status,
@@ -361,6 +364,7 @@ class FakeKube:
             drop=drop,
             reason=reason,
             message=message,
+            body=body,
         )
         self.faults.append(fault)
         return fault
@@ -413,6 +417,16 @@ class FakeKube:
                         },
                     }
                 )
+
+    def send_raw(self, line: bytes, plural: str | None = None) -> int:
+        """Write `line` (and a newline) as it is to open watches of `plural` (all: None),
+        as a broken or hostile server would; returns how many watches got it."""
+        sent = 0
+        for watcher in list(self._streams):
+            if plural is None or watcher.resource.plural == plural:
+                watcher.queue.put_nowait(line)
+                sent += 1
+        return sent
 
     @property
     def open_watches(self) -> int:
@@ -480,6 +494,8 @@ class FakeKube:
                 request.transport.abort()
             record.status = -1
             return web.Response(status=499)
+        if fault is not None and fault.body is not None:
+            return web.Response(body=fault.body, content_type="application/json")
         if fault is not None and fault.status is not None:
             if fault.status == 410 and record.verb == "watch":
                 return await self._stream_error(request, self._expired(self.store.rv - 1))
@@ -655,7 +671,8 @@ class FakeKube:
                     break
                 if item is None:
                     break
-                await response.write(json.dumps(item).encode() + b"\n")
+                raw = item if isinstance(item, bytes) else json.dumps(item).encode()
+                await response.write(raw + b"\n")
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             pass

@@ -38,7 +38,8 @@ class Watcher:
     namespace: str | None
     matches: Predicate
     bookmarks: bool = False
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+    # events, raw lines written as they are (hostile input), None to end the stream
+    queue: asyncio.Queue[dict[str, Any] | bytes | None] = field(default_factory=asyncio.Queue)
 
     def offer(self, event: Event) -> None:
         # One object, whichever version it is read in (the store keeps one copy per plural)

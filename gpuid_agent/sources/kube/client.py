@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,30 @@ async def request_json(
     if not 200 <= resp.status < 300:
         raise KubeApiError(resp.status, status_message(body))
     return orjson.loads(body)
+
+
+# Far above any object the API server stores (etcd refuses requests over 1.5 MiB by default).
+WATCH_LINE_LIMIT = 16 * 1024 * 1024
+
+
+async def watch_lines(content: Any, limit: int = WATCH_LINE_LIMIT) -> AsyncIterator[bytes | None]:
+    """The lines of a watch stream (`resp.content`); None stands for a line over `limit`
+    bytes, which is dropped as it arrives rather than buffered. Reading chunks instead of
+    `readline` keeps a large object (a pod with big annotations) from ending the watch."""
+    buffer = bytearray()
+    dropping = False  # within a line already over the limit
+    async for chunk in content.iter_any():
+        buffer += chunk
+        while (end := buffer.find(b"\n")) >= 0:
+            line = None if dropping or end > limit else bytes(buffer[:end])
+            dropping = False
+            del buffer[: end + 1]
+            yield line
+        if len(buffer) > limit:
+            dropping = True
+            buffer.clear()
+    if dropping or buffer:
+        yield None if dropping or len(buffer) > limit else bytes(buffer)
 
 
 def status_message(body: bytes) -> str:

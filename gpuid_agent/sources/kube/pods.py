@@ -6,15 +6,15 @@ references are walked in the background (ReplicaSet → Deployment, Job → Cron
 and DaemonSet own their pods directly) and cached by owner UID. `lookup` is a dict read: no
 API call ever happens on behalf of a scrape. Without API access (no configuration, RBAC
 forbids it) the cache says so on /status, is `ready` anyway, and attribution carries on from
-the kubelet alone.
+the kubelet alone. Malformed list items and watch events are counted
+(`gpuid_pod_cache_malformed_total`), logged and skipped; a list reply that is no PodList
+leaves the cached pods in place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -30,16 +30,14 @@ from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, watch_lines
 from gpuid_agent.sources.kube.client import request_json as _json
 from gpuid_agent.sources.kube.client import status_message as _status_message
+from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
 
 _log = log.get("pods")
 COMPONENT = "kube-pods"
 TOMBSTONE_SECONDS = 300.0  # a deleted pod's metadata outlives it while its containers wind down
-OWNER_CACHE_SIZE = 4096
-OWNER_RETRY_SECONDS = 600.0  # after a lookup was refused or failed
-_HASH_SUFFIX = re.compile(r"^(?P<name>.+)-(?P<hash>[a-z0-9]{1,10})$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +67,6 @@ class PodDirectory(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    kind: str
-    name: str
-
-
 _STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
 
 
@@ -92,77 +84,6 @@ def container_ids(status: Any) -> Mapping[str, str]:
             if isinstance(name, str) and isinstance(cid, str) and cid:
                 found[cid.rpartition("://")[2].lower()] = name
     return MappingProxyType(found)
-
-
-def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    refs = [r for r in meta.get("ownerReferences") or [] if isinstance(r, Mapping)]
-    for ref in refs:
-        if ref.get("controller"):
-            return ref
-    return refs[0] if refs else None
-
-
-class OwnerResolver:
-    """Walks ownerReferences up to the workload, with lookups cached by owner UID."""
-
-    def __init__(self, api: Any, *, timeout: float, metrics: AttributionMetrics) -> None:
-        self._apps = k8s.AppsV1Api(api)
-        self._batch = k8s.BatchV1Api(api)
-        self._timeout = timeout
-        self._metrics = metrics
-        self._cache: OrderedDict[str, tuple[Workload, float | None]] = OrderedDict()
-
-    async def workload(self, pod: Mapping[str, Any]) -> Workload | None:
-        meta = pod.get("metadata") or {}
-        ref = _controller(meta)
-        if ref is None:
-            return None
-        kind, name = str(ref.get("kind") or ""), str(ref.get("name") or "")
-        if kind not in ("ReplicaSet", "Job"):
-            return Workload(kind, name)  # StatefulSet, DaemonSet, a custom controller, …
-        uid = str(ref.get("uid") or f"{kind}/{meta.get('namespace')}/{name}")
-        cached = self._cache.get(uid)
-        if cached is not None and (cached[1] is None or cached[1] > time.monotonic()):
-            self._cache.move_to_end(uid)
-            self._metrics.owner_lookups.labels("cached").inc()
-            return cached[0]
-        namespace = str(meta.get("namespace") or "")
-        found, retry_at = await self._parent(kind, name, namespace, meta.get("labels") or {})
-        self._cache[uid] = (found, retry_at)
-        if len(self._cache) > OWNER_CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return found
-
-    async def _parent(
-        self, kind: str, name: str, namespace: str, labels: Mapping[str, Any]
-    ) -> tuple[Workload, float | None]:
-        read = (
-            self._apps.read_namespaced_replica_set
-            if kind == "ReplicaSet"
-            else self._batch.read_namespaced_job
-        )
-        try:
-            owner = await _json(read, name, namespace, request_timeout=self._timeout)
-        except (KubeApiError, aiohttp.ClientError, TimeoutError) as exc:
-            status = getattr(exc, "status", 0)
-            outcome = {403: "forbidden", 404: "not_found"}.get(status, "error")
-            self._metrics.owner_lookups.labels(outcome).inc()
-            _log.debug("owner lookup failed", extra={"kind": kind, "error": str(exc)})
-            return _inferred(kind, name, labels), time.monotonic() + OWNER_RETRY_SECONDS
-        self._metrics.owner_lookups.labels("api").inc()
-        parent = _controller(owner.get("metadata") or {})
-        if parent is not None and parent.get("kind") in ("Deployment", "CronJob"):
-            return Workload(str(parent["kind"]), str(parent.get("name") or "")), None
-        return Workload(kind, name), None  # a bare ReplicaSet or Job is the workload
-
-
-def _inferred(kind: str, name: str, labels: Mapping[str, Any]) -> Workload:
-    """Without read access to ReplicaSets, a Deployment's is `<deployment>-<pod-template-hash>`
-    and the pod carries that hash as a label: enough to name the Deployment."""
-    match = _HASH_SUFFIX.match(name)
-    if kind == "ReplicaSet" and match and labels.get("pod-template-hash") == match["hash"]:
-        return Workload("Deployment", match["name"])
-    return Workload(kind, name)
 
 
 class PodCache:
@@ -286,6 +207,8 @@ class PodCache:
                     _log.info("pod watch expired; listing again")
                     self.resource_version = None
                     continue
+                if isinstance(exc, KubeApiError) and exc.status == 400:
+                    self.resource_version = None  # a resourceVersion the server refuses
                 self._failed(exc)
                 await asyncio.sleep(backoff.next())
 
@@ -312,16 +235,22 @@ class PodCache:
             request_timeout=self._timeout,
         )
         self._metrics.pod_cache_relists.inc()
+        items = listed.get("items") if isinstance(listed, Mapping) else None
+        if not isinstance(items, list):
+            # Not a PodList: keep serving the cached pods rather than take it for "no pods".
+            raise KubeApiError(0, "the pod list reply is not a PodList")
         pods: dict[tuple[str, str], PodMeta] = {}
-        for raw in listed.get("items") or []:
+        for raw in items:
             meta = await self._meta(raw, owners)
-            if meta is not None:
+            if meta is None:
+                self._malformed("pod list item without a name and namespace")
+            else:
                 pods[(meta.namespace, meta.name)] = meta
         for key in self._pods.keys() - pods.keys():
             self._tombstone(key)
         self._pods = pods
         self._by_uid = None
-        self.resource_version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+        self.resource_version = _resource_version(listed) or ""
         self._metrics.pod_cache_pods.set(len(pods))
         self._ready = True
         self.last_error = None
@@ -343,35 +272,59 @@ class PodCache:
         try:
             if not 200 <= resp.status < 300:
                 raise KubeApiError(resp.status, _status_message(await resp.read()))
-            while line := await resp.content.readline():
-                if line.strip():
-                    await self._event(orjson.loads(line), owners)
+            async for line in watch_lines(resp.content):
+                if line is None:
+                    self._malformed("pod watch line over the size limit")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    event = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    self._malformed("pod watch line is not JSON")
+                    continue
+                await self._event(event, owners)
         finally:
             resp.release()
 
-    async def _event(self, event: Mapping[str, Any], owners: OwnerResolver) -> None:
-        kind, obj = event.get("type"), event.get("object") or {}
+    async def _event(self, event: Any, owners: OwnerResolver) -> None:
+        """Apply one watch event; a malformed one is counted, logged and skipped."""
+        obj = event.get("object") if isinstance(event, Mapping) else None
+        if not isinstance(obj, Mapping):
+            self._malformed("pod watch event without an object")
+            return
+        kind = event.get("type")
         if kind == "ERROR":
-            raise KubeApiError(int(obj.get("code") or 0), str(obj.get("message") or ""))
-        rv = (obj.get("metadata") or {}).get("resourceVersion")
+            code = obj.get("code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) else 0
+            raise KubeApiError(status, str(obj.get("message"))[:200])
         if kind in ("ADDED", "MODIFIED"):
             meta = await self._meta(obj, owners)
-            if meta is not None:
-                key = (meta.namespace, meta.name)
-                if self._pods.get(key) != meta:
-                    self._pods[key] = meta
-                    self._by_uid = None
-                    self._deleted.pop(key, None)
-                    self.changed.set()
+            if meta is None:
+                self._malformed(f"pod {kind} event without a name and namespace")
+            elif self._pods.get(key := (meta.namespace, meta.name)) != meta:
+                self._pods[key] = meta
+                self._by_uid = None
+                self._deleted.pop(key, None)
+                self.changed.set()
         elif kind == "DELETED":
-            meta_obj = obj.get("metadata") or {}
-            key = (str(meta_obj.get("namespace") or ""), str(meta_obj.get("name") or ""))
-            self._tombstone(key)
-            self.changed.set()
-        if rv:
-            self.resource_version = str(rv)
+            gone = _key(obj.get("metadata"))
+            if gone is None:
+                self._malformed("pod DELETED event without a name and namespace")
+            else:
+                self._tombstone(gone)
+                self.changed.set()
+        elif kind != "BOOKMARK":
+            self._malformed("pod watch event of no known type")
+        # A skipped event's resourceVersion still counts: resuming must not replay it.
+        if rv := _resource_version(obj):
+            self.resource_version = rv
         self.board.set(COMPONENT, "ok")
         self._metrics.pod_cache_pods.set(len(self._pods))
+
+    def _malformed(self, what: str) -> None:
+        self._metrics.pod_cache_malformed.inc()
+        _log.warning("malformed pod data skipped", extra={"what": what})
 
     def _tombstone(self, key: tuple[str, str]) -> None:
         now = time.monotonic()
@@ -383,30 +336,48 @@ class PodCache:
         for old in [k for k, (_, until) in self._deleted.items() if until <= now]:
             del self._deleted[old]
 
-    async def _meta(self, raw: Mapping[str, Any], owners: OwnerResolver) -> PodMeta | None:
-        meta = raw.get("metadata") or {}
-        name, namespace = meta.get("name"), meta.get("namespace")
-        if not isinstance(name, str) or not isinstance(namespace, str):
+    async def _meta(self, raw: Any, owners: OwnerResolver) -> PodMeta | None:
+        """A pod's metadata as the cache keeps it; None when it names no pod."""
+        meta = raw.get("metadata") if isinstance(raw, Mapping) else None
+        key = _key(meta)
+        if key is None:
             return None
+        assert isinstance(meta, Mapping)
         raw_labels = meta.get("labels")
         labels: Mapping[str, Any] = raw_labels if isinstance(raw_labels, Mapping) else {}
-        key = (namespace, name)
-        ref = _controller(meta)
+        ref = controller(meta)
         previous = self._pods.get(key)
         if previous is not None and self._raw_owner.get(key) == ref:
             workload = Workload(previous.workload_kind, previous.workload_name)
         else:
             self._raw_owner[key] = ref
-            workload = await owners.workload(raw) or Workload("", "")
+            workload = await owners.workload(meta) or Workload("", "")
         allowed = {
             k: str(labels[k]) for k in self.label_allowlist if isinstance(labels.get(k), str)
         }
+        uid = meta.get("uid")
         return PodMeta(
-            namespace,
-            name,
-            str(meta.get("uid") or ""),
+            key[0],
+            key[1],
+            uid if isinstance(uid, str) else "",
             MappingProxyType(allowed),
             workload.kind,
             workload.name,
             container_ids(raw.get("status")),
         )
+
+
+def _key(meta: Any) -> tuple[str, str] | None:
+    """(namespace, name) of an object's metadata; None unless both are non-empty strings."""
+    if not isinstance(meta, Mapping):
+        return None
+    namespace, name = meta.get("namespace"), meta.get("name")
+    if isinstance(namespace, str) and isinstance(name, str) and namespace and name:
+        return namespace, name
+    return None
+
+
+def _resource_version(obj: Any) -> str | None:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return rv if isinstance(rv, str) and rv else None

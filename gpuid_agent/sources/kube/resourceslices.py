@@ -28,7 +28,12 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, request_json, status_message
+from gpuid_agent.sources.kube.client import (
+    KubeClient,
+    request_json,
+    status_message,
+    watch_lines,
+)
 from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 
 _log = log.get("resourceslices")
@@ -144,6 +149,10 @@ class ResourceSliceCache:
 
     def lookup(self, driver: str, pool: str, device: str) -> SliceDevice | None:
         return self._index.get((driver, pool, device))
+
+    def devices(self) -> tuple[SliceDevice, ...]:
+        """Every device of the pools' newest generations."""
+        return tuple(self._index.values())
 
     def status(self) -> dict[str, Any]:
         return {
@@ -287,9 +296,18 @@ class ResourceSliceCache:
         try:
             if not 200 <= resp.status < 300:
                 raise KubeApiError(resp.status, status_message(await resp.read()))
-            while line := await resp.content.readline():
-                if line.strip():
-                    self._event(orjson.loads(line))
+            async for line in watch_lines(resp.content):
+                if line is None:
+                    _log.warning("resourceslice watch line over the size limit skipped")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    event = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    _log.warning("resourceslice watch line that is not JSON skipped")
+                    continue
+                self._event(event)
         finally:
             resp.release()
 

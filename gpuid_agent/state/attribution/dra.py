@@ -10,13 +10,14 @@ report, so a MIG device waits for the slices.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from gpuid_agent.model import GpuIdentity, MigDevice
 from gpuid_agent.runtime.errors import DeviceIdError
 from gpuid_agent.sources.kube.resourceslices import SliceDevice
 from gpuid_agent.sources.kubelet import ClaimAssignment, parse_dra_device
+from gpuid_agent.sources.kubelet.claims import NVIDIA_GPU_DRIVER
 from gpuid_agent.state.attribution.model import ClaimSource
 
 if TYPE_CHECKING:
@@ -47,3 +48,18 @@ def resolve_claim(
     if gpu is None:
         raise DeviceIdError("unknown_gpu", f"no GPU with minor number {name.minor} here")
     return gpu, None, "dra-fallback"
+
+
+def slice_gpu_count(devices: Iterable[SliceDevice]) -> int:
+    """Physical GPUs NVIDIA's DRA driver publishes for the node. A GPU in MIG mode may be
+    listed only through its MIG devices, so each device counts as the GPU whose minor number
+    its name carries (`gpu-<minor>`, `gpu-<parentMinor>-mig-…`), and each GPU once."""
+    minors: set[int] = set()
+    for device in devices:
+        if device.driver != NVIDIA_GPU_DRIVER:
+            continue
+        try:
+            minors.add(parse_dra_device(device.name).minor)
+        except DeviceIdError:
+            continue
+    return len(minors)

@@ -18,6 +18,7 @@ from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.pods import PodCache, PodDirectory
 from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache
 from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
+from gpuid_agent.state.attribution.dra import slice_gpu_count
 from gpuid_agent.state.attribution.mapping import attribute
 from gpuid_agent.state.attribution.model import UNAVAILABLE, Attribution, Unmapped
 
@@ -81,6 +82,12 @@ class Attributor:
     @property
     def pods_ready(self) -> bool:
         return self.pods is None or self.pods.ready
+
+    def dra_gpu_count(self) -> int | None:
+        """Full GPUs in the node's ResourceSlices (None while they are not followed)."""
+        if self.slices is None or not self.slices.available:
+            return None
+        return slice_gpu_count(self.slices.devices())
 
     def refresh(self, inventory: NodeInventory | None) -> Attribution:
         attribution = attribute(

@@ -165,8 +165,8 @@ def gpu_count_verdict(usable: int, expected: int | None, source: str) -> Verdict
     if expected is None:
         return Verdict(
             "unknown",
-            "no expected count: set EXPECTED_GPU_COUNT, or the kubelet's allocatable count "
-            "is not available",
+            "no expected count: set EXPECTED_GPU_COUNT; neither the kubelet's allocatable "
+            "GPUs nor the DRA driver's ResourceSlices are available",
         )
     if usable < expected:
         return Verdict(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
@@ -22,6 +23,9 @@ from gpuid_agent.state.health.model import NodeHealth, Transition
 from gpuid_agent.state.health.tracker import HealthTracker
 
 _log = log.get("health")
+EXPECTED_CONFIGURED = "EXPECTED_GPU_COUNT"
+EXPECTED_FROM_KUBELET = "kubelet allocatable"
+EXPECTED_FROM_SLICES = "DRA ResourceSlices"
 
 
 class HealthMonitor:
@@ -46,6 +50,7 @@ class HealthMonitor:
         self.xid = XidWatcher(nvml.reader.api, on_xid, wait_ms=wait_ms)
         self._expected = settings.expected_gpu_count
         self._board = board
+        self.expected: tuple[int | None, str | None] = (None, None)  # (count, where from)
 
     def snapshot(self) -> NodeHealth:
         return self.tracker.snapshot()
@@ -56,23 +61,20 @@ class HealthMonitor:
         reading: NvmlReading,
         nvml: NvmlSource,
         allocatable: int | None,
+        dra_gpus: int | None = None,
     ) -> tuple[dict[int, GpuHealthSignals], list[Transition]]:
         readable = {g.index: g.uuid for g in inventory.gpus if g.index not in reading.lost}
         signals = with_telemetry(
             await nvml.run(lambda: self.reader.read(readable), "health read"), reading
         )
         self.xid.watch(readable)
-        expected, source = (
-            (self._expected, "EXPECTED_GPU_COUNT")
-            if self._expected >= 0
-            else (allocatable, "kubelet allocatable")
-        )
+        self.expected = expected, source = self.expected_count(allocatable, dra_gpus)
         transitions = self.tracker.observe(
             inventory.gpus,
             signals,
             reading.lost,
             expected_gpus=expected,
-            expected_source=source,
+            expected_source=source or "",
             xid_unsupported=self.xid.unsupported,
             xid_unavailable=self.xid.unavailable,
         )
@@ -81,6 +83,25 @@ class HealthMonitor:
         else:
             self._board.set("health", "ok")
         return signals, transitions
+
+    def expected_count(
+        self, allocatable: int | None, dra_gpus: int | None
+    ) -> tuple[int | None, str | None]:
+        """The GPU count NVML's is held to, and where it came from: EXPECTED_GPU_COUNT, else
+        the device plugin's allocatable GPUs, else (a node that gets its GPUs only through
+        DRA, where the device plugin reports none) the DRA driver's ResourceSlices."""
+        if self._expected >= 0:
+            return self._expected, EXPECTED_CONFIGURED
+        if not allocatable and dra_gpus:
+            return dra_gpus, EXPECTED_FROM_SLICES
+        if allocatable is None:
+            return None, None
+        return allocatable, EXPECTED_FROM_KUBELET
+
+    def expected_gpus(self) -> dict[str, Any]:
+        """The expected GPU count with its source (/status)."""
+        count, source = self.expected
+        return {"count": count, "source": source}
 
     async def close(self, within: float) -> None:
         """Stop the XID thread, waiting at most `within` seconds on the loop (the thread is a

@@ -1,0 +1,154 @@
+"""The expected GPU count on a node that gets its GPUs only through DRA: the device plugin
+reports none, so the DRA driver's ResourceSlices say how many GPUs the node has, and a GPU
+that NVML loses fires the `gpu_count` check. /status says where the count came from."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.kube.resourceslices import slice_devices
+from gpuid_agent.state.attribution.dra import slice_gpu_count
+from tests import conftest
+from tests.conftest import eventually, running_agent
+from tests.fakekube import FakeKube, objects, write_kubeconfig
+from tests.fakekubelet import FakeKubelet
+from tests.fakenvml.fixtures import FakeNvml
+from tests.test_dra_agent import (
+    NODE,
+    get,
+    kubelet_pods,
+    make_agent,
+    node_slice,
+    nvml_config,
+    samples,
+)
+
+
+def devices_of(*slices: dict[str, Any]) -> list[Any]:
+    return [d for s in slices for d in slice_devices(s)[1]]
+
+
+def test_each_physical_gpu_counts_once() -> None:
+    gpu = objects.gpu_device
+    node = objects.resource_slice(
+        "s1",
+        NODE,
+        [
+            gpu("gpu-0", "GPU-0"),
+            gpu("gpu-1", "GPU-1"),
+            # GPU 2 in MIG mode: listed only through its MIG devices
+            gpu("gpu-2-mig-1g.10gb-19-0", "MIG-a", parent_uuid="GPU-2"),
+            gpu("gpu-2-mig-1g.10gb-19-1", "MIG-b", parent_uuid="GPU-2"),
+            # GPU 0 again, with one of its MIG devices (dynamic MIG lists both)
+            gpu("gpu-0-mig-3g.40gb-9-0", "MIG-c", parent_uuid="GPU-0"),
+            gpu("not-a-gpu", "GPU-9"),
+        ],
+    )
+    other_pool = objects.resource_slice("s2", NODE, [gpu("gpu-1", "GPU-1")])
+    nic = objects.resource_slice("s3", NODE, [gpu("gpu-7", "GPU-7")])
+    nic["spec"]["driver"] = "dra.net"
+    assert slice_gpu_count(devices_of(node, other_pool, nic)) == 3
+    assert slice_gpu_count([]) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.booleans(), st.booleans()), max_size=24))
+def test_the_count_is_the_distinct_minor_numbers(rows: list[tuple[int, bool, bool]]) -> None:
+    """Whatever mix of full-GPU and MIG devices, in one pool or two, names a GPU's minor."""
+    devices = [
+        objects.gpu_device(
+            f"gpu-{minor}-mig-1g.10gb-19-{n}" if mig else f"gpu-{minor}",
+            f"MIG-{n}" if mig else f"GPU-{minor}",
+            parent_uuid=f"GPU-{minor}" if mig else None,
+        )
+        for n, (minor, mig, _) in enumerate(rows)
+    ]
+    first = objects.resource_slice(
+        "a", NODE, [d for d, r in zip(devices, rows, strict=True) if r[2]]
+    )
+    second = objects.resource_slice(
+        "b", NODE, [d for d, r in zip(devices, rows, strict=True) if not r[2]]
+    )
+    assert slice_gpu_count(devices_of(first, second)) == len({minor for minor, _, _ in rows})
+
+
+async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = nvml_config()  # 3 GPUs, the first in MIG mode; the device plugin has none
+    fake_nvml.apply(config)
+    kubelet.pods = kubelet_pods()
+    assert kubelet.allocatable == ()
+    async with FakeKube(resource_versions=("v1",)) as kube:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url)))
+        kube.create(node_slice(config))
+        agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
+        async with running_agent(agent):
+
+            def count_check() -> Any:
+                return agent.health.snapshot().node_checks.get("gpu_count")
+
+            await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
+            status = orjson.loads(await get(agent, "/status"))
+            assert status["health"]["expected_gpus"] == {
+                "count": 3,
+                "source": "DRA ResourceSlices",
+            }
+            assert status["attribution"]["kubelet"]["gpu_devices_allocatable"] == 0
+
+            config.gpus[2].lost = True  # NVML loses GPU 2
+            fake_nvml.apply(config)
+            check = await eventually(
+                lambda: (c := count_check()) is not None and c.state == "unhealthy" and c
+            )
+            assert check.reason == "2 of 3 expected GPUs usable (DRA ResourceSlices)"
+            assert check.action == "reboot"
+            text = await get(agent, "/gpu/metrics")
+            [node] = samples(text, "gpuid_node_health_state")
+            assert (node["check"], node["state"]) == ("gpu_count", "unhealthy")
+
+
+async def test_the_device_plugin_count_wins_when_it_has_gpus(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node with GPUs from both the device plugin and DRA: the kubelet's count is the one."""
+    config = nvml_config()
+    fake_nvml.apply(config)
+    kubelet.allocatable = [("nvidia.com/gpu", (config.gpus[1].uuid or "",))]
+    async with FakeKube(resource_versions=("v1",)) as kube:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url)))
+        kube.create(node_slice(config))
+        agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
+        async with running_agent(agent):
+            await eventually(lambda: agent.health.expected == (1, "kubelet allocatable"))
+            await eventually(lambda: agent.attributor.dra_gpu_count() == 3)
+            status = orjson.loads(await get(agent, "/status"))
+            assert status["health"]["expected_gpus"]["source"] == "kubelet allocatable"
+
+
+async def test_simulated_dra_node_with_a_lost_gpu() -> None:
+    """`--simulate dra --fault lost:gpu3`: four GPUs in the driver's slice, one lost."""
+    agent = Agent(
+        conftest.settings(simulate="dra", fault="lost:gpu3", pod_resources_interval=0.05),
+        exporters=[StdoutExporter(io.BytesIO())],
+    )
+    async with running_agent(agent):
+        check = await eventually(
+            lambda: (
+                (c := agent.health.snapshot().node_checks.get("gpu_count")) is not None
+                and c.state == "unhealthy"
+                and c
+            )
+        )
+        assert check.reason == "3 of 4 expected GPUs usable (DRA ResourceSlices)"
+        status = orjson.loads(await get(agent, "/status"))
+        assert status["health"]["expected_gpus"] == {"count": 4, "source": "DRA ResourceSlices"}
