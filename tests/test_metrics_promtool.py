@@ -48,7 +48,8 @@ async def scraping(**overrides: Any) -> AsyncIterator[Any]:
             async with http.get(base + path, headers=headers) as resp:
                 return resp.headers["Content-Type"], await resp.text()
 
-        await eventually(lambda: running.renderer.seq >= 1)
+        # the first page with the kubelet's holders (its first poll may come after a render)
+        await eventually(lambda: b"gpuid_gpu_allocation_info{" in running.renderer.current().text)
         yield get
 
 
