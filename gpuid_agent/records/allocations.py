@@ -21,10 +21,7 @@ closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
-import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -36,6 +33,7 @@ import orjson
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.records.consume import follow
 from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
+from gpuid_agent.records.state_file import write_atomically
 from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.attribution import Allocation, Attribution
@@ -173,19 +171,7 @@ class AllocationTrail:
 
     def _write_state(self, payload: bytes) -> None:
         assert self.state_path is not None
-        directory = self.state_path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".allocations.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.state_path, payload)
 
     async def _save(self) -> None:
         if self.state_path is None:

@@ -17,10 +17,7 @@ Without STATE_DIR the comparison lives as long as the process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
-import tempfile
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +28,7 @@ import orjson
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.consume import follow
 from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.state_file import write_atomically
 from gpuid_agent.records.types import SCHEMA_VERSION, HardwareRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.bus import Subscription
@@ -133,19 +131,7 @@ class HardwareWatch:
             {"version": STATE_VERSION, "slots": self.slots or {}, "pending": self.pending},
             option=orjson.OPT_SORT_KEYS,
         )
-        directory = self.state_path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".hardware.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.state_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.state_path, payload)
 
     async def _save(self) -> None:
         if self.state_path is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,31 @@ async def watch_lines(content: Any, limit: int = WATCH_LINE_LIMIT) -> AsyncItera
             buffer.clear()
     if dropping or buffer:
         yield None if dropping or len(buffer) > limit else bytes(buffer)
+
+
+async def watch_events(
+    resp: Any, what: str, malformed: Callable[[str], None]
+) -> AsyncGenerator[Any, None]:
+    """The decoded events of a watch response (use under `contextlib.aclosing`: closing
+    releases the response). A non-2xx answer raises KubeApiError; a line over the size limit
+    or not JSON is reported to `malformed` and skipped, so one bad line never ends a watch."""
+    try:
+        if not 200 <= resp.status < 300:
+            raise KubeApiError(resp.status, status_message(await resp.read()))
+        async for line in watch_lines(resp.content):
+            if line is None:
+                malformed(f"{what} watch line over the size limit")
+                continue
+            if not line.strip():
+                continue
+            try:
+                event = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                malformed(f"{what} watch line is not JSON")
+                continue
+            yield event
+    finally:
+        resp.release()
 
 
 def status_message(body: bytes) -> str:

@@ -14,6 +14,7 @@ leaves the cached pods in place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 import aiohttp
-import orjson
 from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
@@ -30,9 +30,8 @@ from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, watch_lines
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, watch_events
 from gpuid_agent.sources.kube.client import request_json as _json
-from gpuid_agent.sources.kube.client import status_message as _status_message
 from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
 
 _log = log.get("pods")
@@ -269,23 +268,9 @@ class PodCache:
             _preload_content=False,
             _request_timeout=self._watch_timeout + self._timeout,
         )
-        try:
-            if not 200 <= resp.status < 300:
-                raise KubeApiError(resp.status, _status_message(await resp.read()))
-            async for line in watch_lines(resp.content):
-                if line is None:
-                    self._malformed("pod watch line over the size limit")
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    event = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    self._malformed("pod watch line is not JSON")
-                    continue
+        async with contextlib.aclosing(watch_events(resp, "pod", self._malformed)) as events:
+            async for event in events:
                 await self._event(event, owners)
-        finally:
-            resp.release()
 
     async def _event(self, event: Any, owners: OwnerResolver) -> None:
         """Apply one watch event; a malformed one is counted, logged and skipped."""

@@ -15,13 +15,13 @@ full GPUs and marks it as such.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 from kubernetes_asyncio import client as k8s
 
 from gpuid_agent.runtime import log
@@ -31,8 +31,7 @@ from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import (
     KubeClient,
     request_json,
-    status_message,
-    watch_lines,
+    watch_events,
 )
 from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 
@@ -45,6 +44,10 @@ VERSIONS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("v1beta1", k8s.ResourceV1beta1Api),
 )
 ABSENT_RETRY_SECONDS = 600.0  # no resource.k8s.io: look again now and then (upgrades)
+
+
+def _skipped(what: str) -> None:
+    _log.warning("%s: skipped", what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,23 +296,9 @@ class ResourceSliceCache:
             _preload_content=False,
             _request_timeout=self._watch_timeout + self._timeout,
         )
-        try:
-            if not 200 <= resp.status < 300:
-                raise KubeApiError(resp.status, status_message(await resp.read()))
-            async for line in watch_lines(resp.content):
-                if line is None:
-                    _log.warning("resourceslice watch line over the size limit skipped")
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    event = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    _log.warning("resourceslice watch line that is not JSON skipped")
-                    continue
+        async with contextlib.aclosing(watch_events(resp, "resourceslice", _skipped)) as events:
+            async for event in events:
                 self._event(event)
-        finally:
-            resp.release()
 
     def _event(self, event: Any) -> None:
         """Apply one watch event; a malformed one is skipped (logged), never fatal."""

@@ -1,0 +1,27 @@
+"""The small state files the record emitters keep under STATE_DIR, written so that a crash
+(SIGKILL, power loss) leaves either the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomically(path: Path, payload: bytes) -> None:
+    """Write `payload` to a temporary file beside `path`, fsync it, and rename it over
+    `path` (a rename within one directory is atomic)."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
