@@ -64,6 +64,7 @@ class WorkerIntake:
         self.exporter = exporter
         # Exporters written before batch identities existed take the batch alone.
         self._pass_meta = "meta" in inspect.signature(exporter.export).parameters
+        exporter.observe(metrics)
         self.policy = policy
         intake, in_store = memory_split(policy)
         self.store = store if store is not None else MemoryBatches(in_store)

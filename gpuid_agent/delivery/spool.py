@@ -3,8 +3,11 @@
 Each batch is written to a hidden temporary name, fsync'd, renamed into place (atomic), and the
 directory fsync'd, so a crash leaves either the whole batch or nothing; a failed write removes
 what it wrote. A delivered batch's file is removed; files left behind by a previous run are
-re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.ndjson`, so
-the spool can be indexed, ordered and trimmed without reading a byte of it. Batches a sink
+re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.<form>`, so
+the spool can be indexed, ordered and trimmed without reading a byte of it. The form is
+`ndjson` (JSON lines), or the exporter's own stored form when it has one (PostgreSQL: COPY
+text), encoded when the batch is written so a backlog has nothing left to convert; files of
+either form are re-sent, whichever the exporter writes now. Batches a sink
 rejected move to `rejected/` for an operator to inspect or replay.
 
 When the disk fails (full, read-only, gone), nothing raises at the caller: new batches are kept
@@ -20,11 +23,13 @@ import contextlib
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm
 from gpuid_agent.delivery.store import (
+    JSON_LINES,
     BatchStore,
     MemoryBatches,
     StoredBatch,
@@ -38,7 +43,7 @@ from gpuid_agent.runtime.errors import CorruptBatchError
 __all__ = ["REJECTED_DIR", "BatchStore", "DiskSpool", "MemoryBatches", "StoredBatch"]
 
 _log = log.get("spool")
-_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.ndjson$")
+_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
 REJECTED_DIR = "rejected"
 
 
@@ -76,6 +81,29 @@ def _write_atomic(directory: Path, name: str, payload: bytes) -> None:
         raise
 
 
+Encoded = bytes  # a batch file's content (the name `bytes` is a property inside DiskSpool)
+
+
+def _read_files(paths: list[Path]) -> list[Encoded]:
+    out: list[Encoded] = []
+    for path in paths:
+        try:
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
+    return out
+
+
+def _unlink_all(paths: list[Path]) -> list[tuple[Path, OSError]]:
+    stuck: list[tuple[Path, OSError]] = []
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            stuck.append((path, exc))
+    return stuck
+
+
 def _reason(directory: Path, exc: OSError) -> str:
     detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
     return f"spool {directory}: {detail}"
@@ -86,8 +114,15 @@ class DiskSpool(BatchStore):
 
     durable = True
 
-    def __init__(self, directory: Path, max_bytes: int, memory_limit: int = 10_000) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        memory_limit: int = 10_000,
+        form: StoredForm | None = None,
+    ) -> None:
         super().__init__()
+        self.form = form
         self.directory = directory
         self.rejected_dir = directory / REJECTED_DIR
         self.max_bytes = max_bytes
@@ -107,7 +142,7 @@ class DiskSpool(BatchStore):
     @staticmethod
     def _name(batch: StoredBatch) -> str:
         created_ns = int(batch.meta.created.timestamp() * 1e9)
-        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.ndjson"
+        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.{batch.form}"
 
     def _index(self, directory: Path) -> list[StoredBatch]:
         found: list[StoredBatch] = []
@@ -121,7 +156,9 @@ class DiskSpool(BatchStore):
             created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
             meta = BatchMeta(match.group(2), created)
             size = entry.stat().st_size
-            found.append(StoredBatch(meta, int(match.group(3)), size=size, path=entry))
+            batch = StoredBatch(meta, int(match.group(3)), size=size, path=entry)
+            batch.form = match.group(4)
+            found.append(batch)
         return found
 
     def _scan(self) -> None:
@@ -187,12 +224,10 @@ class DiskSpool(BatchStore):
 
     async def add(self, records: list[Record]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records))
-        payload = encode(records)
-        name = self._name(batch)
-        batch.size = len(payload)
         try:
-            await asyncio.to_thread(_write_atomic, self.directory, name, payload)
+            name = await asyncio.to_thread(self._encode_write, batch, records)
         except OSError as exc:
+            batch.form = JSON_LINES
             self._failed(exc, "write")
             batch.records = records  # kept in memory, within the memory bound
             self._pending[batch.meta.batch_id] = batch
@@ -205,6 +240,29 @@ class DiskSpool(BatchStore):
         if self._problem is not None or self._orphans:
             await self._recovered()
         return await self._trim(keep=batch)
+
+    def _encode_write(self, batch: StoredBatch, records: list[Record]) -> str:
+        """Encode (the exporter's form, else JSON lines) and write; the file's name."""
+        payload: bytes | None = None
+        if self.form is not None:
+            try:
+                payload = self.form.encode(records)
+                batch.form = self.form.suffix
+            except Exception as exc:  # the records themselves are never lost to an encoder
+                _log.error(
+                    "batch kept as JSON lines: its stored form failed",
+                    extra={"spool": str(self.directory), "error": repr(exc)},
+                )
+        if payload is None:
+            payload = encode(records)
+        name = self._name(batch)
+        batch.size = len(payload)
+        try:
+            _write_atomic(self.directory, name, payload)
+        except OSError:
+            batch.form = JSON_LINES  # kept in memory as records; size stays an estimate
+            raise
+        return name
 
     async def _trim(self, keep: StoredBatch) -> list[StoredBatch]:
         dropped: list[StoredBatch] = []
@@ -258,6 +316,14 @@ class DiskSpool(BatchStore):
             )
         return records
 
+    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+        paths: list[Path] = []
+        for batch in batches:
+            if batch.path is None or batch.form == JSON_LINES:
+                raise CorruptBatchError("batch is not a file in a stored form")
+            paths.append(batch.path)
+        return await asyncio.to_thread(_read_files, paths)
+
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
         # current batch is in flight, not after it.
@@ -273,6 +339,7 @@ class DiskSpool(BatchStore):
             following is None
             or following.records is not None
             or following.path is None
+            or following.form != JSON_LINES
             or following.meta.batch_id in self._prefetched
         ):
             return
@@ -290,6 +357,8 @@ class DiskSpool(BatchStore):
             return batch.records
         if batch.path is None:
             raise CorruptBatchError("batch file is gone")
+        if batch.form != JSON_LINES:
+            raise CorruptBatchError(f"{batch.path.name} holds {batch.form}, not records")
         task = self._prefetched.pop(batch.meta.batch_id, None)
         if task is not None:
             return await task
@@ -298,6 +367,22 @@ class DiskSpool(BatchStore):
     async def remove(self, batch: StoredBatch) -> None:
         self.forget(batch)
         await self._unlink(batch)
+
+    async def remove_all(self, batches: Sequence[StoredBatch]) -> None:
+        # One thread hop for the lot: thousands of small batches delivered at once would
+        # otherwise spend longer unlinking than delivering.
+        paths: list[Path] = []
+        for batch in batches:
+            self.forget(batch)
+            self._drop_prefetch(batch.meta.batch_id)
+            if batch.path is not None:
+                paths.append(batch.path)
+                batch.path = None
+                self._bytes -= batch.size
+        stuck = await asyncio.to_thread(_unlink_all, paths)
+        if stuck:
+            self._failed(stuck[0][1], "remove")
+            self._orphans += [path for path, _ in stuck]
 
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         self.forget(batch)
