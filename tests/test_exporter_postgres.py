@@ -20,7 +20,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import BASE_TIME, allocation, eventually, readings
+from tests.exporter_support import BASE_TIME, allocation, eventually, readings, spool_files
 from tests.servers.postgres import PostgresCluster
 
 Factory = Callable[..., PostgresExporter]
@@ -359,7 +359,7 @@ async def test_crash_after_commit_replays_without_duplicates(
     table = f"{pg_schema}.gpu_readings"
     assert await count(db, table) == 8
     assert await db.fetchval(f"SELECT count(DISTINCT record_id) FROM {table}") == 8
-    assert not list((tmp_path / "postgres").glob("*.ndjson"))
+    assert not spool_files(tmp_path / "postgres")
 
 
 async def test_export_meta_is_optional(make: Factory) -> None:

@@ -133,6 +133,7 @@ class DiskSpool(BatchStore):
         self._orphans: list[Path] = []  # delivered or dropped, but their file would not go
         # read-ahead of at most the batch being sent and the one after it, by batch id
         self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
+        self._unlinking: asyncio.Future[None] | None = None
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         probe = directory / ".probe.tmp"
         probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
@@ -369,8 +370,9 @@ class DiskSpool(BatchStore):
         await self._unlink(batch)
 
     async def remove_all(self, batches: Sequence[StoredBatch]) -> None:
-        # One thread hop for the lot: thousands of small batches delivered at once would
-        # otherwise spend longer unlinking than delivering.
+        """Forget delivered batches at once and unlink their files in one thread hop, while
+        the next delivery runs (thousands of small files take longer to unlink than to send);
+        a crash before the unlink re-sends them, which record ids dedupe."""
         paths: list[Path] = []
         for batch in batches:
             self.forget(batch)
@@ -379,10 +381,23 @@ class DiskSpool(BatchStore):
                 paths.append(batch.path)
                 batch.path = None
                 self._bytes -= batch.size
+        self._unlinking = asyncio.ensure_future(self._unlink_after(self._unlinking, paths))
+
+    async def _unlink_after(self, previous: asyncio.Future[None] | None, paths: list[Path]) -> None:
+        if previous is not None:
+            await previous  # one unlinking thread at a time, in delivery order
         stuck = await asyncio.to_thread(_unlink_all, paths)
         if stuck:
             self._failed(stuck[0][1], "remove")
             self._orphans += [path for path, _ in stuck]
+
+    async def settle(self) -> None:
+        """Wait for the unlinks `remove_all` started."""
+        while self._unlinking is not None:
+            task = self._unlinking
+            await task
+            if self._unlinking is task:
+                self._unlinking = None
 
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         self.forget(batch)

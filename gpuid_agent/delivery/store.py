@@ -58,6 +58,10 @@ class BatchStore(ABC):
         for batch in batches:
             await self.remove(batch)
 
+    async def settle(self) -> None:
+        """Finish removals still running in the background."""
+        return None
+
     @abstractmethod
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         """Move a rejected batch out of the way: (its records were kept, batches dropped

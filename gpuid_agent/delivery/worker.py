@@ -288,6 +288,7 @@ class ExporterWorker(WorkerIntake):
                 batcher = tasks.create_task(self._batch_loop())
                 await self._send_loop()
                 batcher.cancel()
+            await self.store.settle()
         except asyncio.CancelledError:
             self._left_behind()
             raise
