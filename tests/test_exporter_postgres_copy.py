@@ -125,7 +125,9 @@ async def test_copy_text_stores_what_binary_copy_stores(
     finally:
         await exporter.close()
     rows = rowmap.split(records)
-    await db.execute(f"CREATE TEMP TABLE binary_readings (LIKE {pg_schema}.gpu_readings INCLUDING DEFAULTS)")
+    await db.execute(
+        f"CREATE TEMP TABLE binary_readings (LIKE {pg_schema}.gpu_readings INCLUDING DEFAULTS)"
+    )
     try:
         columns = rowmap.READING_COLUMNS
         await db.copy_records_to_table("binary_readings", records=rows.readings, columns=columns)
