@@ -118,6 +118,7 @@ class PostgresExporter(Exporter):
         auto_migrate: bool = True,
         timeout: float = 30.0,
         idle_timeout: float = 30.0,
+        application_name: str = "gpuid-agent",
     ) -> None:
         self._connect: dict[str, Any] = {
             "host": host,
@@ -131,6 +132,7 @@ class PostgresExporter(Exporter):
         self.auto_migrate = auto_migrate
         self.timeout = timeout
         self.idle_timeout = idle_timeout
+        self.application_name = application_name[:63]
         self._pool: asyncpg.Pool | None = None
         self._migrated = False
         self._setup = asyncio.Lock()
@@ -156,6 +158,8 @@ class PostgresExporter(Exporter):
             auto_migrate=settings.postgres_auto_migrate,
             timeout=settings.timeout,
             idle_timeout=settings.postgres_idle_timeout,
+            # which node holds a connection, for whoever reads pg_stat_activity
+            application_name=f"gpuid-agent {settings.effective_node_name()}",
         )
 
     def observe(self, metrics: AgentMetrics) -> None:
@@ -174,7 +178,7 @@ class PostgresExporter(Exporter):
                     # No statement outlives its transaction: safe behind PgBouncer's
                     # transaction pooling, and a short-lived connection gains nothing.
                     statement_cache_size=0,
-                    server_settings={"application_name": "gpuid-agent"},
+                    server_settings={"application_name": self.application_name},
                 )
             if self.auto_migrate and not self._migrated:
                 await self.migrate(self._pool)
