@@ -1,0 +1,279 @@
+"""Fleet simulation: N nodes' real PostgreSQL exporters on the default schedules, compressed
+in time (see benchmarks/fleet.py), into one real PostgreSQL.
+
+Phases per fleet size: a jittered start (every agent within START_WINDOW), a steady window
+(connections sampled from pg_stat_activity every 100 ms, deliveries counted, end-to-end p99
+from the rows' own times), a server outage of 60 fleet-seconds while the fleet keeps emitting,
+then the reconnect storm until everything emitted is stored. Figures per 1,000 nodes are the
+measured ones scaled linearly. `GPUID_BENCH_QUICK=1` runs 100 and 300 nodes for a short while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Row
+from benchmarks.fleet import (
+    Expected,
+    Schedule,
+    SimNode,
+    Sink,
+    compression_for,
+    deliveries,
+    failures,
+    sample_during,
+)
+from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.runtime.metrics import AgentMetrics
+from tests.servers.postgres import PostgresCluster
+
+QUICK = os.environ.get("GPUID_BENCH_QUICK", "") not in ("", "0")
+SIZES = (100, 300) if QUICK else (500, 2000)
+STEADY_SECONDS = 10.0 if QUICK else 30.0  # wall clock
+OUTAGE = 60.0  # fleet seconds
+WALL_DELIVERIES = 25.0  # deliveries per wall-clock second the compression aims at
+APP = "gpuid-fleet"
+
+
+class PostgresSink:
+    name = "postgres"
+
+    def __init__(self) -> None:
+        self.cluster = PostgresCluster()
+        self._conn: Any = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.cluster.start)
+
+    def exporter(self, node: str, schedule: Schedule, compress: float) -> Exporter:
+        from gpuid_agent.delivery.exporters.postgres import PostgresExporter
+
+        return PostgresExporter(
+            **self.cluster.connect_kwargs(),
+            sslmode="disable",
+            timeout=30.0,
+            idle_timeout=schedule.idle_timeout / compress,
+            application_name=f"{APP} {node}",
+        )
+
+    async def _db(self) -> Any:
+        import asyncpg
+
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await asyncpg.connect(**self.cluster.connect_kwargs(), timeout=5)
+        return self._conn
+
+    async def connections(self) -> int | None:
+        try:
+            db = await self._db()
+            return int(
+                await db.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                    APP + " %",
+                )
+            )
+        except Exception:  # the server is down or restarting: no sample
+            self._conn = None
+            return None
+
+    async def stored(self, expected: Expected) -> Expected:
+        db = await self._db()
+        readings = await db.fetch(
+            "SELECT record_id FROM gpu_readings WHERE record_id = ANY($1::text[])",
+            list(expected.readings),
+        )
+        allocations = await db.fetch(
+            "SELECT start_record_id, end_record_id FROM gpu_allocations WHERE node LIKE 'fleet-%'"
+        )
+        return Expected(
+            {r[0] for r in readings},
+            {r[0] for r in allocations if r[0]} & expected.allocations_started,
+            {r[1] for r in allocations if r[1]} & expected.allocations_ended,
+        )
+
+    async def stop_server(self) -> None:
+        if self._conn is not None:
+            self._conn.terminate()
+            self._conn = None
+        await asyncio.to_thread(self.cluster.stop_server, "immediate")
+
+    async def start_server(self) -> None:
+        await asyncio.to_thread(self.cluster.start_server)
+
+    async def latency_p99(self, since: datetime) -> float | None:
+        """Emission (a reading's read_time, an allocation's start) to the start of the
+        transaction that stored it (created_at)."""
+        db = await self._db()
+        value = await db.fetchval(
+            "SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY lag) FROM ("
+            " SELECT extract(epoch FROM created_at - read_time) AS lag FROM gpu_readings"
+            " WHERE read_time >= $1 AND node LIKE 'fleet-%'"
+            " UNION ALL"
+            " SELECT extract(epoch FROM created_at - started_at) FROM gpu_allocations"
+            " WHERE started_at >= $1 AND node LIKE 'fleet-%') AS lags",
+            since,
+        )
+        return None if value is None else float(value)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+        await asyncio.to_thread(self.cluster.close)
+
+
+async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any]:
+    compress = compression_for(nodes, schedule, WALL_DELIVERIES)
+    metrics = AgentMetrics()
+    expected = Expected()
+    rng = random.Random(nodes)
+    root = Path(tempfile.mkdtemp(prefix="gpuid-fleet-"))
+    stop = asyncio.Event()
+    fleet = [
+        SimNode(
+            f"fleet-{i:05d}",
+            sink.exporter(f"fleet-{i:05d}", schedule, compress),
+            schedule,
+            compress,
+            root,
+            metrics,
+            expected,
+            random.Random(rng.getrandbits(64)),
+        )
+        for i in range(nodes)
+    ]
+    tasks = [asyncio.create_task(node.run(stop)) for node in fleet]
+    out: dict[str, Any] = {"compress": compress}
+    try:
+        # Start: every agent within the start window; over once each delivered its first
+        # readings and one idle timeout passed.
+        async def started() -> bool:
+            return all(n.worker.delivered_records >= schedule.gpus for n in fleet)
+
+        samples, _ = await sample_during(sink, 600.0, started)
+        more, _ = await sample_during(sink, schedule.idle_timeout / compress)
+        samples.values += more.values
+        out["start_peak"] = samples.peak
+
+        since = datetime.now(UTC)
+        before = deliveries(metrics, sink.name)
+        samples, wall = await sample_during(sink, STEADY_SECONDS)
+        out["steady_peak"], out["steady_mean"] = samples.peak, samples.mean
+        out["tx_per_s"] = (deliveries(metrics, sink.name) - before) / (wall * compress)
+        out["p99"] = await sink.latency_p99(since)
+
+        await sink.stop_server()
+        await asyncio.sleep(OUTAGE / compress)
+        await sink.start_server()
+        pending_at_restart = expected.total
+
+        async def drained() -> bool:
+            held = await sink.stored(expected)
+            return held.total >= pending_at_restart
+
+        samples, wall = await sample_during(sink, 600.0, drained)
+        out["storm_peak"] = samples.peak
+        out["drain_fleet_s"] = wall * compress
+        out["drain_wall_s"] = wall
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        shutil.rmtree(root, ignore_errors=True)
+    held = await sink.stored(expected)
+    out["emitted"] = expected.total
+    out["lost"] = expected.total - held.total
+    out["failures"] = failures(metrics, sink.name)
+    return out
+
+
+async def run() -> list[Row]:
+    reason = PostgresCluster.unavailable()
+    if reason:
+        return [Row("fleet", "postgres", 0, "-", f"skipped: {reason}")]
+    schedule = Schedule()
+    rows: list[Row] = []
+    for nodes in SIZES:
+        sink = PostgresSink()
+        await sink.start()
+        started = time.monotonic()
+        try:
+            f = await _simulate(sink, nodes, schedule)
+        finally:
+            await sink.close()
+        rows += _rows(nodes, schedule, f, time.monotonic() - started)
+    return rows
+
+
+def _rows(nodes: int, schedule: Schedule, f: dict[str, Any], took: float) -> list[Row]:
+    per_k = 1000 / nodes
+    # Little's law: a node holds a connection for about one idle timeout per delivery.
+    expect_k = 1000 * schedule.deliveries_per_node() * schedule.idle_timeout
+    c = f["compress"]
+    group = f"fleet {nodes}"
+    return [
+        Row(
+            group,
+            "connections at start, peak",
+            f["start_peak"],
+            "conns",
+            f"{f['start_peak'] * per_k:.0f} per 1,000 nodes; all start within "
+            f"{schedule.start_window:.0f} s; time compressed {c:.0f}x",
+        ),
+        Row(
+            group,
+            "connections steady, peak",
+            f["steady_peak"],
+            "conns",
+            f"{f['steady_peak'] * per_k:.0f} per 1,000 nodes",
+        ),
+        Row(
+            group,
+            "connections steady, mean",
+            f["steady_mean"],
+            "conns",
+            f"{f['steady_mean'] * per_k:.1f} per 1,000 nodes (arithmetic: {expect_k:.0f})",
+        ),
+        Row(
+            group,
+            "transactions/s (fleet time)",
+            f["tx_per_s"],
+            "tx/s",
+            f"{f['tx_per_s'] * per_k:.2f} per 1,000 nodes (arithmetic: "
+            f"{1000 * schedule.deliveries_per_node():.2f})",
+        ),
+        Row(
+            group,
+            "delivery p99, emission to commit",
+            f["p99"] or 0,
+            "s",
+            f"wall s, FLUSH_INTERVAL compressed to {schedule.flush_interval / c:.2f} s",
+        ),
+        Row(
+            group,
+            "after 60 s outage: connections peak",
+            f["storm_peak"],
+            "conns",
+            f"{f['storm_peak'] * per_k:.0f} per 1,000 nodes; outage {OUTAGE / c:.1f} s wall",
+        ),
+        Row(
+            group,
+            "after 60 s outage: time to drain",
+            f["drain_fleet_s"],
+            "s (fleet)",
+            f"{f['drain_wall_s']:.2f} s wall",
+        ),
+        Row(
+            group,
+            "records lost",
+            f["lost"],
+            "records",
+            f"of {f['emitted']:,} emitted; failed attempts {f['failures'] or 'none'}; {took:.0f} s",
+        ),
+    ]
