@@ -123,6 +123,9 @@ class PostgresSink:
         )
         return None if value is None else float(value)
 
+    async def max_connections(self) -> int:
+        return int(await (await self._db()).fetchval("SHOW max_connections"))
+
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.close()
@@ -161,6 +164,7 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
         more, _ = await sample_during(sink, schedule.idle_timeout / compress)
         samples.values += more.values
         out["start_peak"] = samples.peak
+        out["start_failures"] = sum(failures(metrics, sink.name).values())
 
         since = datetime.now(UTC)
         before = deliveries(metrics, sink.name)
@@ -169,6 +173,7 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
         out["tx_per_s"] = (deliveries(metrics, sink.name) - before) / (wall * compress)
         out["p99"] = await sink.latency_p99(since)
 
+        before_outage = sum(failures(metrics, sink.name).values())
         await sink.stop_server()
         await asyncio.sleep(OUTAGE / compress)
         await sink.start_server()
@@ -182,6 +187,7 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
         out["storm_peak"] = samples.peak
         out["drain_fleet_s"] = wall * compress
         out["drain_wall_s"] = wall
+        out["outage_failures"] = sum(failures(metrics, sink.name).values()) - before_outage
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -190,6 +196,7 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
     out["emitted"] = expected.total
     out["lost"] = expected.total - held.total
     out["failures"] = failures(metrics, sink.name)
+    out["max_connections"] = await sink.max_connections()
     return out
 
 
@@ -224,7 +231,8 @@ def _rows(nodes: int, schedule: Schedule, f: dict[str, Any], took: float) -> lis
             f["start_peak"],
             "conns",
             f"{f['start_peak'] * per_k:.0f} per 1,000 nodes; all start within "
-            f"{schedule.start_window:.0f} s; time compressed {c:.0f}x",
+            f"{schedule.start_window:.0f} s; server max_connections {f['max_connections']}; "
+            f"{f['start_failures']:.0f} attempts refused or failed; time compressed {c:.0f}x",
         ),
         Row(
             group,
@@ -267,13 +275,15 @@ def _rows(nodes: int, schedule: Schedule, f: dict[str, Any], took: float) -> lis
             "after 60 s outage: time to drain",
             f["drain_fleet_s"],
             "s (fleet)",
-            f"{f['drain_wall_s']:.2f} s wall",
+            f"{f['drain_wall_s']:.2f} s wall; {f['outage_failures']:.0f} failed attempts "
+            "during outage and drain (jittered backoff)",
         ),
         Row(
             group,
             "records lost",
             f["lost"],
             "records",
-            f"of {f['emitted']:,} emitted; failed attempts {f['failures'] or 'none'}; {took:.0f} s",
+            f"of {f['emitted']:,} emitted; failed attempts by type {f['failures'] or 'none'}; "
+            f"{took:.0f} s",
         ),
     ]
