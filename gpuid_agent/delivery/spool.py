@@ -28,6 +28,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm
+from gpuid_agent.delivery.spool_files import (
+    Encoded,
+    fsync_dir,
+    read_files,
+    reason,
+    unlink_all,
+    write_atomic,
+)
 from gpuid_agent.delivery.store import (
     JSON_LINES,
     BatchStore,
@@ -52,61 +60,6 @@ def _consume_exception(task: asyncio.Future[list[Record]]) -> None:
     # does not report it; the real load reads the file again and reports any error.
     if not task.cancelled():
         task.exception()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(directory: Path, name: str, payload: bytes) -> None:
-    tmp, final = directory / f".{name}.tmp", directory / name
-    renamed = False
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        renamed = True
-        _fsync_dir(directory)
-    except BaseException:
-        # Leave nothing behind: the caller keeps the batch elsewhere, and a file it does
-        # not track would be sent again by the next start.
-        with contextlib.suppress(OSError):
-            (final if renamed else tmp).unlink(missing_ok=True)
-        raise
-
-
-Encoded = bytes  # a batch file's content (the name `bytes` is a property inside DiskSpool)
-
-
-def _read_files(paths: list[Path]) -> list[Encoded]:
-    out: list[Encoded] = []
-    for path in paths:
-        try:
-            out.append(path.read_bytes())
-        except OSError as exc:
-            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
-    return out
-
-
-def _unlink_all(paths: list[Path]) -> list[tuple[Path, OSError]]:
-    stuck: list[tuple[Path, OSError]] = []
-    for path in paths:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            stuck.append((path, exc))
-    return stuck
-
-
-def _reason(directory: Path, exc: OSError) -> str:
-    detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
-    return f"spool {directory}: {detail}"
 
 
 class DiskSpool(BatchStore):
@@ -203,13 +156,13 @@ class DiskSpool(BatchStore):
         return self._bytes >= self.max_bytes
 
     def _failed(self, exc: OSError, what: str) -> None:
-        reason = _reason(self.directory, exc)
-        if self._problem != reason:
+        why = reason(self.directory, exc)
+        if self._problem != why:
             _log.error(
                 f"spool {what} failed",
-                extra={"spool": str(self.directory), "error": reason},
+                extra={"spool": str(self.directory), "error": why},
             )
-        self._problem = reason
+        self._problem = why
 
     async def _recovered(self) -> None:
         """A write went through: remove the files that would not go while it failed."""
@@ -259,7 +212,7 @@ class DiskSpool(BatchStore):
         name = self._name(batch)
         batch.size = len(payload)
         try:
-            _write_atomic(self.directory, name, payload)
+            write_atomic(self.directory, name, payload)
         except OSError:
             batch.form = JSON_LINES  # kept in memory as records; size stays an estimate
             raise
@@ -323,7 +276,7 @@ class DiskSpool(BatchStore):
             if batch.path is None or batch.form == JSON_LINES:
                 raise CorruptBatchError("batch is not a file in a stored form")
             paths.append(batch.path)
-        return await asyncio.to_thread(_read_files, paths)
+        return await asyncio.to_thread(read_files, paths)
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
@@ -386,7 +339,7 @@ class DiskSpool(BatchStore):
     async def _unlink_after(self, previous: asyncio.Future[None] | None, paths: list[Path]) -> None:
         if previous is not None:
             await previous  # one unlinking thread at a time, in delivery order
-        stuck = await asyncio.to_thread(_unlink_all, paths)
+        stuck = await asyncio.to_thread(unlink_all, paths)
         if stuck:
             self._failed(stuck[0][1], "remove")
             self._orphans += [path for path, _ in stuck]
@@ -407,7 +360,7 @@ class DiskSpool(BatchStore):
             try:  # a batch that only ever lived in memory: write it now
                 name = self._name(batch)
                 payload = encode(batch.records)
-                await asyncio.to_thread(_write_atomic, self.rejected_dir, name, payload)
+                await asyncio.to_thread(write_atomic, self.rejected_dir, name, payload)
             except OSError as exc:
                 self._failed(exc, "write")
                 return False, []
@@ -422,7 +375,7 @@ class DiskSpool(BatchStore):
                 await self._unlink(batch)
                 return False, []
             with contextlib.suppress(OSError):
-                await asyncio.to_thread(_fsync_dir, self.rejected_dir)
+                await asyncio.to_thread(fsync_dir, self.rejected_dir)
             batch.path = target
         self._rejected[batch.meta.batch_id] = batch
         dropped = await self._trim(keep=batch)
