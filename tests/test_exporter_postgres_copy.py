@@ -288,3 +288,28 @@ def test_payloads_join_section_by_section() -> None:
     assert joined.counts == (12, 1, 0)
     assert Payload.decode(joined.encode()) == joined
     assert io.BytesIO(joined.readings).read().count(b"\n") == 12
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=2, max_size=6))
+def test_joining_stored_batches_equals_joining_decoded_ones(shape: list[tuple[int, int]]) -> None:
+    encoded = [
+        stored_payload(readings(n, node=f"n{i}") + [allocation(pod=f"p{i}-{j}") for j in range(a)])
+        for i, (n, a) in enumerate(shape)
+    ]
+    assert Payload.join_encoded(encoded) == Payload.join([Payload.decode(e) for e in encoded])
+
+
+@given(st.integers(0, 10_000), st.binary(min_size=1, max_size=3))
+def test_joining_refuses_a_damaged_batch(at: int, junk: bytes) -> None:
+    good = [stored_payload(readings(1, node=f"n{i}")) for i in range(3)]
+    victim = good[1]
+    cut = at % len(victim)
+    for damaged in (victim[:cut], victim[:cut] + junk + victim[cut + len(junk) :]):
+        if damaged == victim:
+            continue
+        try:
+            joined = Payload.join_encoded([good[0], damaged, good[2]])
+        except CorruptBatchError:
+            continue
+        # Only damage that leaves a well-formed payload gets through, rows intact.
+        assert joined.readings.count(b"\n") == joined.counts[0]

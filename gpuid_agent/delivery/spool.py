@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm
 from gpuid_agent.delivery.spool_files import (
@@ -55,7 +56,7 @@ _NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
 REJECTED_DIR = "rejected"
 
 
-def _consume_exception(task: asyncio.Future[list[Record]]) -> None:
+def _consume_exception(task: asyncio.Future[Any]) -> None:
     # A prefetch whose batch was dropped is never awaited: read its outcome so asyncio
     # does not report it; the real load reads the file again and reports any error.
     if not task.cancelled():
@@ -87,6 +88,8 @@ class DiskSpool(BatchStore):
         # read-ahead of at most the batch being sent and the one after it, by batch id
         self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
         self._unlinking: asyncio.Future[None] | None = None
+        # read-ahead of the next coalesced delivery: its batch ids and the read
+        self._ahead: tuple[tuple[str, ...], asyncio.Future[list[Encoded]]] | None = None
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         probe = directory / ".probe.tmp"
         probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
@@ -270,13 +273,34 @@ class DiskSpool(BatchStore):
             )
         return records
 
-    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+    @staticmethod
+    def _stored_paths(batches: Sequence[StoredBatch]) -> list[Path]:
         paths: list[Path] = []
         for batch in batches:
             if batch.path is None or batch.form == JSON_LINES:
                 raise CorruptBatchError("batch is not a file in a stored form")
             paths.append(batch.path)
-        return await asyncio.to_thread(read_files, paths)
+        return paths
+
+    def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
+        # A backlog of many small files drains at the sink's speed only if the next
+        # delivery's files are read while the current one is in flight.
+        key = tuple(b.meta.batch_id for b in batches)
+        if not key or (self._ahead is not None and self._ahead[0] == key):
+            return
+        try:
+            paths = self._stored_paths(batches)
+        except CorruptBatchError:
+            return  # the load reports it
+        task = asyncio.ensure_future(asyncio.to_thread(read_files, paths))
+        task.add_done_callback(_consume_exception)
+        self._ahead = (key, task)
+
+    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == tuple(b.meta.batch_id for b in batches):
+            return await ahead[1]
+        return await asyncio.to_thread(read_files, self._stored_paths(batches))
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the

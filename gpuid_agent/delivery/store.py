@@ -84,6 +84,10 @@ class BatchStore(ABC):
             elif candidate is batch:
                 found = True
 
+    def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
+        """Start reading the next delivery's files while the current one is in flight."""
+        return None
+
     async def load_stored(self, batches: Sequence[StoredBatch]) -> list[bytes]:
         """The files of batches kept in an exporter's stored form, as written."""
         raise CorruptBatchError(f"{self.describe()} keeps no batches in a stored form")

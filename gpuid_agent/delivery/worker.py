@@ -125,6 +125,9 @@ class ExporterWorker(WorkerIntake):
         form = self.exporter.stored_form
         if form is not None and batch.records is None and batch.form == form.suffix:
             group = coalesce(self.store, batch, form)
+            after = next(self.store.following(group[-1]), None)
+            if after is not None and after.records is None and after.form == form.suffix:
+                self.store.prefetch_stored(coalesce(self.store, after, form))
             outcome = await self._send_stored(group)
             if outcome is not Outcome.REJECTED or len(group) == 1:
                 return outcome

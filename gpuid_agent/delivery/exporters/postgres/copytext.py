@@ -108,6 +108,40 @@ class Payload:
         return cls(*sections, counts=(counts[0], counts[1], counts[2]))
 
     @classmethod
+    def join_encoded(cls, encoded: Sequence[bytes]) -> Payload:
+        """Many stored batches joined section by section: the delivery of a backlog, so
+        per batch only its header is parsed; the joined sections are checked as a whole."""
+        if len(encoded) == 1:
+            return cls.decode(encoded[0])
+        parts: tuple[list[memoryview], list[memoryview], list[memoryview]] = ([], [], [])
+        counts = [0, 0, 0]
+        for data in encoded:
+            end = data.find(b"\n")
+            head = data[:end].split(b" ") if end > 0 else []
+            if len(head) != 7 or head[0] != MAGIC:
+                raise CorruptBatchError("not a COPY payload (header missing or malformed)")
+            try:
+                numbers = [int(p) for p in head[1:]]
+            except ValueError as exc:
+                raise CorruptBatchError(f"malformed COPY payload header: {exc}") from exc
+            view, at = memoryview(data), end + 1
+            if min(numbers) < 0 or at + sum(numbers[3:]) != len(data):
+                raise CorruptBatchError("a COPY payload does not hold the bytes it declares")
+            for i in range(3):
+                size = numbers[3 + i]
+                if size:
+                    if data[at + size - 1] != 0x0A:
+                        raise CorruptBatchError("a COPY section does not end its last row")
+                    parts[i].append(view[at : at + size])
+                at += size
+                counts[i] += numbers[i]
+        readings, allocations, events = (b"".join(p) for p in parts)
+        for count, section in zip(counts, (readings, allocations, events), strict=True):
+            if section.count(b"\n") != count:
+                raise CorruptBatchError(f"COPY sections do not hold the {count} rows they declare")
+        return cls(readings, allocations, events, (counts[0], counts[1], counts[2]))
+
+    @classmethod
     def join(cls, payloads: Sequence[Payload]) -> Payload:
         if len(payloads) == 1:
             return payloads[0]

@@ -15,7 +15,7 @@ superchip share: rows such a constraint drops are counted, not hidden (`dropped`
 
 from __future__ import annotations
 
-import io
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import asyncpg
@@ -77,7 +77,7 @@ class CopyWriter:
             await conn.copy_to_table(
                 self._readings[1],
                 schema_name=self._readings[0],
-                source=io.BytesIO(data),
+                source=_chunks(data),
                 columns=rowmap.READING_COLUMNS,
             )
 
@@ -120,4 +120,11 @@ class CopyWriter:
         name = (STAGE_READINGS, STAGE_ALLOCATIONS, STAGE_EVENTS)[which]
         columns = (rowmap.READING_COLUMNS, rowmap.ALLOCATION_COLUMNS, rowmap.EVENT_COLUMNS)[which]
         await conn.execute(STAGING[which])
-        await conn.copy_to_table(name, source=io.BytesIO(data), columns=columns)
+        await conn.copy_to_table(name, source=_chunks(data), columns=columns)
+
+
+async def _chunks(data: bytes, size: int = 1 << 20) -> AsyncIterator[memoryview]:
+    """COPY's input straight from memory (a file-like source would be read in a thread)."""
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield view[start : start + size]
