@@ -157,3 +157,22 @@ def test_idle_timeout_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings()
     assert set(info.value.problems) == {"POSTGRES_IDLE_TIMEOUT"}
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, 30.0), ("5s", 5.0)])
+def test_chart_sets_the_idle_timeout(
+    given: str | None, expected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.chart_render import agent_container, render
+
+    postgres: dict[str, Any] = {"host": "db.example"}
+    if given:
+        postgres["idleTimeout"] = given
+    daemonset = render({"exporters": {"types": ["postgres"], "postgres": postgres}}).one(
+        "DaemonSet"
+    )
+    env = {e["name"]: e.get("value") for e in agent_container(daemonset)["env"]}
+    for name, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    assert load_settings().postgres_idle_timeout == expected
