@@ -16,6 +16,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ class PostgresSink:
         await asyncio.to_thread(self.cluster.close)
 
 
-async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any]:
+async def _simulate(sinks: list[Sink], nodes: int, schedule: Schedule) -> dict[str, Any]:
+    """Run the fleet against every sink at once; the figures of each sink by its name."""
     compress = compression_for(nodes, schedule, WALL_DELIVERIES)
     metrics = AgentMetrics()
     expected = Expected()
@@ -142,7 +144,7 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
     fleet = [
         SimNode(
             f"fleet-{i:05d}",
-            sink.exporter(f"fleet-{i:05d}", schedule, compress),
+            [sink.exporter(f"fleet-{i:05d}", schedule, compress) for sink in sinks],
             schedule,
             compress,
             root,
@@ -153,51 +155,73 @@ async def _simulate(sink: Sink, nodes: int, schedule: Schedule) -> dict[str, Any
         for i in range(nodes)
     ]
     tasks = [asyncio.create_task(node.run(stop)) for node in fleet]
-    out: dict[str, Any] = {"compress": compress}
+    out: dict[str, dict[str, Any]] = {s.name: {"compress": compress} for s in sinks}
+
+    async def phase(seconds: float, until: Callable[[], Awaitable[bool]] | None = None) -> float:
+        """Sample every sink's connections for `seconds` (or until `until()`)."""
+        runs = await asyncio.gather(*(sample_during(s, seconds, until) for s in sinks))
+        for sink, (samples, _) in zip(sinks, runs, strict=True):
+            out[sink.name]["samples"] = samples
+        return max(wall for _, wall in runs)
+
+    def failed(sink: Sink) -> float:
+        return sum(failures(metrics, sink.name).values())
+
     try:
         # Start: every agent within the start window; over once each delivered its first
-        # readings and one idle timeout passed.
+        # readings (to every sink) and one idle timeout passed.
         async def started() -> bool:
-            return all(n.worker.delivered_records >= schedule.gpus for n in fleet)
+            return all(w.delivered_records >= schedule.gpus for n in fleet for w in n.workers)
 
-        samples, _ = await sample_during(sink, 600.0, started)
-        more, _ = await sample_during(sink, schedule.idle_timeout / compress)
-        samples.values += more.values
-        out["start_peak"] = samples.peak
-        out["start_failures"] = sum(failures(metrics, sink.name).values())
+        await phase(600.0, started)
+        first = {s.name: out[s.name]["samples"] for s in sinks}
+        await phase(schedule.idle_timeout / compress)
+        for sink in sinks:
+            f = out[sink.name]
+            f["start_peak"] = max(first[sink.name].peak, f["samples"].peak)
+            f["start_failures"] = failed(sink)
+            f["before"] = deliveries(metrics, sink.name)
 
         since = datetime.now(UTC)
-        before = deliveries(metrics, sink.name)
-        samples, wall = await sample_during(sink, STEADY_SECONDS)
-        out["steady_peak"], out["steady_mean"] = samples.peak, samples.mean
-        out["tx_per_s"] = (deliveries(metrics, sink.name) - before) / (wall * compress)
-        out["p99"] = await sink.latency_p99(since)
+        wall = await phase(STEADY_SECONDS)
+        for sink in sinks:
+            f = out[sink.name]
+            f["steady_peak"], f["steady_mean"] = f["samples"].peak, f["samples"].mean
+            f["tx_per_s"] = (deliveries(metrics, sink.name) - f["before"]) / (wall * compress)
+            f["p99"] = await sink.latency_p99(since)
+            f["before_outage"] = failed(sink)
 
-        before_outage = sum(failures(metrics, sink.name).values())
-        await sink.stop_server()
+        await asyncio.gather(*(s.stop_server() for s in sinks))
         await asyncio.sleep(OUTAGE / compress)
-        await sink.start_server()
+        await asyncio.gather(*(s.start_server() for s in sinks))
         pending_at_restart = expected.total
 
-        async def drained() -> bool:
-            held = await sink.stored(expected)
-            return held.total >= pending_at_restart
+        for sink in sinks:
 
-        samples, wall = await sample_during(sink, 600.0, drained)
-        out["storm_peak"] = samples.peak
-        out["drain_fleet_s"] = wall * compress
-        out["drain_wall_s"] = wall
-        out["outage_failures"] = sum(failures(metrics, sink.name).values()) - before_outage
+            async def drained(sink: Sink = sink) -> bool:
+                return (await sink.stored(expected)).total >= pending_at_restart
+
+            samples, wall = await sample_during(sink, 600.0, drained)
+            f = out[sink.name]
+            f["storm_peak"] = samples.peak
+            f["drain_fleet_s"], f["drain_wall_s"] = wall * compress, wall
+            f["outage_failures"] = failed(sink) - f["before_outage"]
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         shutil.rmtree(root, ignore_errors=True)
-    held = await sink.stored(expected)
-    out["emitted"] = expected.total
-    out["lost"] = expected.total - held.total
-    out["failures"] = failures(metrics, sink.name)
-    out["max_connections"] = await sink.max_connections()
+    for sink in sinks:
+        f = out[sink.name]
+        f["emitted"] = expected.total
+        f["lost"] = expected.total - (await sink.stored(expected)).total
+        f["failures"] = failures(metrics, sink.name)
+        f["max_connections"] = await sink.max_connections()
     return out
+
+
+def sinks() -> list[Sink]:
+    """The sinks every simulated node delivers to (one worker each)."""
+    return [PostgresSink()]
 
 
 async def run() -> list[Row]:
@@ -207,23 +231,25 @@ async def run() -> list[Row]:
     schedule = Schedule()
     rows: list[Row] = []
     for nodes in SIZES:
-        sink = PostgresSink()
-        await sink.start()
+        chosen = sinks()
+        await asyncio.gather(*(s.start() for s in chosen))
         started = time.monotonic()
         try:
-            f = await _simulate(sink, nodes, schedule)
+            figures = await _simulate(chosen, nodes, schedule)
         finally:
-            await sink.close()
-        rows += _rows(nodes, schedule, f, time.monotonic() - started)
+            await asyncio.gather(*(s.close() for s in chosen))
+        took = time.monotonic() - started
+        for name, f in figures.items():
+            rows += _rows(nodes, schedule, name, f, took)
     return rows
 
 
-def _rows(nodes: int, schedule: Schedule, f: dict[str, Any], took: float) -> list[Row]:
+def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: float) -> list[Row]:
     per_k = 1000 / nodes
     # Little's law: a node holds a connection for about one idle timeout per delivery.
     expect_k = 1000 * schedule.deliveries_per_node() * schedule.idle_timeout
     c = f["compress"]
-    group = f"fleet {nodes}"
+    group = f"fleet {nodes} {sink}"
     return [
         Row(
             group,

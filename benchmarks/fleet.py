@@ -8,8 +8,9 @@ connections the fleet holds (Little's law: rate x holding time) are those of the
 fleet. The work of a delivery (connect, COPY, commit) is not compressed: latencies are wall
 seconds, and the server carries `compress` times the fleet's real load.
 
-Sinks are pluggable (`Sink`): the PostgreSQL sink is here; another backend adds a class with
-the same methods and a column appears in the table.
+Sinks are pluggable (`Sink`): each node runs one worker per sink (as the agent's pipeline does),
+every sink gets every record, and each sink's figures are rows of their own; another backend
+(an OTLP receiver) adds a class with the same methods to the bench's list.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class SimNode:
     def __init__(
         self,
         name: str,
-        exporter: Exporter,
+        exporters: list[Exporter],
         schedule: Schedule,
         compress: float,
         spool_root: Path,
@@ -106,14 +107,23 @@ class SimNode:
             backoff_max=schedule.backoff_max / compress,
             health_probe_interval=30.0 / compress,
         )
-        store = DiskSpool(spool_root / name, 64 << 20, form=exporter.stored_form)
-        self.worker = ExporterWorker(exporter, policy, metrics, store=store)
+        # one worker per sink, each with its own spool, as the agent's pipeline builds them
+        self.workers = [
+            ExporterWorker(
+                e,
+                policy,
+                metrics,
+                store=DiskSpool(spool_root / name / e.name, 64 << 20, form=e.stored_form),
+            )
+            for e in exporters
+        ]
         self.pods: dict[int, tuple[str, datetime]] = {}  # GPU → (pod, started)
         self.serial = f"SN-{name}"
 
     async def _put(self, records: list[Record]) -> None:
         for record in records:
-            await self.worker.put(record)
+            for worker in self.workers:
+                await worker.put(record)
 
     async def _readings(self, reason: str) -> None:
         inv = inventory(
@@ -148,14 +158,17 @@ class SimNode:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start (jittered), then heartbeats and allocation churn until `stop`."""
-        sender = asyncio.create_task(self.worker.run())
+        senders = [asyncio.create_task(w.run()) for w in self.workers]
         c, s = self.compress, self.schedule
         try:
             if await _wait(stop, self.rng.uniform(0, s.start_window) / c):
                 return
             await self._readings("startup")
             loop = asyncio.get_running_loop()
-            next_beat = loop.time() + s.heartbeat / c
+            # Heartbeat phase uniform, as in a fleet long past its rollout. (Right after a
+            # rollout, the first heartbeats come together one HEARTBEAT_INTERVAL later, within
+            # the start window: a burst the size of the rollout's.)
+            next_beat = loop.time() + self.rng.uniform(0, s.heartbeat) / c
             churn_rate = s.gpus / (s.pod_life / 2)  # events per fleet-second, all GPUs
             while True:
                 next_churn = loop.time() + self.rng.expovariate(churn_rate) / c
@@ -168,11 +181,13 @@ class SimNode:
                 else:
                     await self._churn(self.rng.randrange(s.gpus))
         finally:
-            self.worker.close_intake()
+            for worker in self.workers:
+                worker.close_intake()
             try:
-                await asyncio.wait_for(sender, 120)
+                await asyncio.wait_for(asyncio.gather(*senders), 120)
             finally:
-                await self.worker.exporter.close()
+                for worker in self.workers:
+                    await worker.exporter.close()
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
