@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -71,19 +72,18 @@ pidfile = {self.root}/pgbouncer.pid
         for entry in self.root.iterdir():
             shutil.chown(entry, "postgres", "postgres")
         user = ["-u", "postgres"] if os.geteuid() == 0 else []
-        self._process = subprocess.Popen(
-            [_binary(), *user, str(self.root / "pgbouncer.ini")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        errors = self.root / "stderr.log"
+        with open(errors, "wb") as err:
+            self._process = subprocess.Popen(
+                [_binary(), *user, str(self.root / "pgbouncer.ini")],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                err = self._process.stderr.read().decode() if self._process.stderr else ""
-                raise RuntimeError(f"pgbouncer exited: {err.strip()[-500:]}")
+                raise RuntimeError(f"pgbouncer exited: {errors.read_text().strip()[-500:]}")
             try:
-                import socket
-
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return
             except OSError:

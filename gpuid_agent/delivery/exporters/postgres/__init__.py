@@ -91,15 +91,20 @@ def _classify(exc: BaseException) -> ExportError:
     return ExportError(f"PostgreSQL client error: {exc!r}", error_type=type(exc).__name__)
 
 
-def stored_payload(records: list[Record]) -> bytes:
-    """A batch in the exporter's stored form: its rows per table in COPY text."""
+def payload_of(records: list[Record]) -> Payload:
+    """A batch's rows per table in COPY text."""
     rows = rowmap.split(records)
     return Payload(
         section(rows.readings),
         section(rows.allocations),
         section(rows.events),
         (len(rows.readings), len(rows.allocations), len(rows.events)),
-    ).encode()
+    )
+
+
+def stored_payload(records: list[Record]) -> bytes:
+    """A batch in the exporter's stored form (what its spool files hold)."""
+    return payload_of(records).encode()
 
 
 class PostgresExporter(Exporter):
@@ -237,10 +242,9 @@ class PostgresExporter(Exporter):
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
         records = list(batch)
         if len(records) > _ENCODE_IN_THREAD:
-            data = await asyncio.to_thread(stored_payload, records)
+            await self._deliver(await asyncio.to_thread(payload_of, records))
         else:
-            data = stored_payload(records)
-        await self._deliver(Payload.decode(data))
+            await self._deliver(payload_of(records))
 
     async def export_stored(self, payloads: Sequence[bytes], meta: BatchMeta) -> None:
         try:
