@@ -33,7 +33,9 @@ from gpuid_agent.delivery.spool_files import (
     Encoded,
     fsync_dir,
     read_files,
+    read_records,
     reason,
+    stored_paths,
     unlink_all,
     write_atomic,
 )
@@ -42,7 +44,6 @@ from gpuid_agent.delivery.store import (
     BatchStore,
     MemoryBatches,
     StoredBatch,
-    decode,
     encode,
     trim_memory,
 )
@@ -258,30 +259,6 @@ class DiskSpool(BatchStore):
             self._failed(exc, "remove")
             self._orphans.append(path)
 
-    @staticmethod
-    def _read(path: Path, count: int) -> list[Record]:
-        """Read and decode one batch file (in a worker thread: a 10,000-record batch takes
-        tens of milliseconds to decode, which would stall scrapes on the event loop)."""
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
-        records = decode(data)
-        if len(records) != count:
-            raise CorruptBatchError(
-                f"{path.name} holds {len(records)} records, its name says {count}"
-            )
-        return records
-
-    @staticmethod
-    def _stored_paths(batches: Sequence[StoredBatch]) -> list[Path]:
-        paths: list[Path] = []
-        for batch in batches:
-            if batch.path is None or batch.form == JSON_LINES:
-                raise CorruptBatchError("batch is not a file in a stored form")
-            paths.append(batch.path)
-        return paths
-
     def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
         # A backlog of many small files drains at the sink's speed only if the next
         # delivery's files are read while the current one is in flight.
@@ -289,7 +266,7 @@ class DiskSpool(BatchStore):
         if not key or (self._ahead is not None and self._ahead[0] == key):
             return
         try:
-            paths = self._stored_paths(batches)
+            paths = stored_paths(batches)
         except CorruptBatchError:
             return  # the load reports it
         task = asyncio.ensure_future(asyncio.to_thread(read_files, paths))
@@ -300,7 +277,7 @@ class DiskSpool(BatchStore):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == tuple(b.meta.batch_id for b in batches):
             return await ahead[1]
-        return await asyncio.to_thread(read_files, self._stored_paths(batches))
+        return await asyncio.to_thread(read_files, stored_paths(batches))
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
@@ -321,7 +298,9 @@ class DiskSpool(BatchStore):
             or following.meta.batch_id in self._prefetched
         ):
             return
-        task = asyncio.ensure_future(asyncio.to_thread(self._read, following.path, following.count))
+        task = asyncio.ensure_future(
+            asyncio.to_thread(read_records, following.path, following.count)
+        )
         task.add_done_callback(_consume_exception)
         self._prefetched[following.meta.batch_id] = task
 
@@ -340,7 +319,7 @@ class DiskSpool(BatchStore):
         task = self._prefetched.pop(batch.meta.batch_id, None)
         if task is not None:
             return await task
-        return await asyncio.to_thread(self._read, batch.path, batch.count)
+        return await asyncio.to_thread(read_records, batch.path, batch.count)
 
     async def remove(self, batch: StoredBatch) -> None:
         self.forget(batch)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+from gpuid_agent.delivery.exporters.base import Record
+from gpuid_agent.delivery.store import JSON_LINES, StoredBatch, decode
 from gpuid_agent.runtime.errors import CorruptBatchError
 
 
@@ -62,3 +65,25 @@ def unlink_all(paths: list[Path]) -> list[tuple[Path, OSError]]:
 def reason(directory: Path, exc: OSError) -> str:
     detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
     return f"spool {directory}: {detail}"
+
+
+def read_records(path: Path, count: int) -> list[Record]:
+    """Read and decode one batch file (in a worker thread: a 10,000-record batch takes
+    tens of milliseconds to decode, which would stall scrapes on the event loop)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
+    records = decode(data)
+    if len(records) != count:
+        raise CorruptBatchError(f"{path.name} holds {len(records)} records, its name says {count}")
+    return records
+
+
+def stored_paths(batches: Sequence[StoredBatch]) -> list[Path]:
+    paths: list[Path] = []
+    for batch in batches:
+        if batch.path is None or batch.form == JSON_LINES:
+            raise CorruptBatchError("batch is not a file in a stored form")
+        paths.append(batch.path)
+    return paths
