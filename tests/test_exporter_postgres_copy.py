@@ -313,3 +313,26 @@ def test_joining_refuses_a_damaged_batch(at: int, junk: bytes) -> None:
             continue
         # Only damage that leaves a well-formed payload gets through, rows intact.
         assert joined.readings.count(b"\n") == joined.counts[0]
+
+
+async def test_batches_held_in_memory_drain_joined_too(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
+    """Without a spool the batches wait in memory as records; a backlog of them is joined
+    into one delivery as well."""
+    from gpuid_agent.delivery.store import MemoryBatches
+
+    store = MemoryBatches(10_000)
+    records = readings(100, step=timedelta(seconds=1))
+    for i in range(0, len(records), 10):
+        await store.add(records[i : i + 10])
+    metrics = AgentMetrics()
+    worker = ExporterWorker(
+        make(), BatchPolicy(batch_size=10, flush_interval=0.01), metrics, store=store
+    )
+    task = asyncio.create_task(worker.run())
+    await eventually(lambda: store.batches == 0, timeout=30)
+    worker.close_intake()
+    await asyncio.wait_for(task, 20)
+    assert deliveries(metrics) == 1  # 40 held batches, one transaction
+    assert await db.fetchval(f"SELECT count(*) FROM {pg_schema}.gpu_readings") == 400

@@ -153,15 +153,16 @@ class MemoryBatches(BatchStore):
 
 
 def coalesce(store: BatchStore, first: StoredBatch, form: StoredForm) -> list[StoredBatch]:
-    """`first` and the stored-form batches queued right after it, within the form's bounds:
-    what one delivery takes from a backlog."""
+    """`first` and the batches queued right after it in the same form (stored-form files, or
+    records held in memory), within the form's bounds: what one delivery takes from a backlog."""
     group, records, size = [first], first.count, first.size
+    in_memory = first.records is not None  # batches held as records join records only
     for batch in store.following(first):
         records += batch.count
         size += batch.size
         if (
             batch.form != first.form
-            or batch.records is not None
+            or (batch.records is not None) != in_memory
             or batch.in_flight
             or records > form.max_records
             or size > form.max_bytes

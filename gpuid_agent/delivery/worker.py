@@ -137,7 +137,32 @@ class ExporterWorker(WorkerIntake):
                 if outcome is Outcome.FAILED:
                     return outcome
             return outcome
+        if form is not None and batch.records is not None:
+            group = coalesce(self.store, batch, form)
+            if len(group) > 1:
+                return await self._send_held(group)
         return await self._send_records(batch)
+
+    async def _send_held(self, group: list[StoredBatch]) -> Outcome:
+        """Batches held in memory as records (no spool, or an unwritable one), joined."""
+        for batch in group:
+            batch.in_flight = True
+        try:
+            records = [r for batch in group for r in batch.records or []]
+            outcome = await self.deliver(records, group[0].meta)
+            if outcome is Outcome.DELIVERED:
+                await self._delivered(*group)
+        finally:
+            for batch in group:
+                batch.in_flight = False
+            self._room.set()
+            self._after_store_op()
+        if outcome is Outcome.REJECTED:  # find the one the sink refuses
+            for single in group:
+                outcome = await self._send_records(single)
+                if outcome is Outcome.FAILED:
+                    break
+        return outcome
 
     async def _send_stored(self, group: list[StoredBatch]) -> Outcome:
         for batch in group:
@@ -148,16 +173,7 @@ class ExporterWorker(WorkerIntake):
             except CorruptBatchError as exc:
                 if len(group) > 1:
                     return Outcome.REJECTED  # the caller finds which one, one by one
-                _log.error(
-                    "spooled batch unreadable; set aside",
-                    extra={
-                        "exporter": self.name,
-                        "batch_id": group[0].meta.batch_id,
-                        "error": str(exc),
-                    },
-                )
-                await self._set_aside(group[0], f"unreadable: {exc}")
-                return Outcome.REJECTED
+                return await self._unreadable(group[0], exc)
             meta = group[0].meta
             outcome = await self._deliver(
                 lambda: self.exporter.export_stored(payloads, meta), sum(b.count for b in group)
@@ -172,6 +188,12 @@ class ExporterWorker(WorkerIntake):
                 batch.in_flight = False
             self._room.set()
             self._after_store_op()
+
+    async def _unreadable(self, batch: StoredBatch, exc: Exception) -> Outcome:
+        extra = {"exporter": self.name, "batch_id": batch.meta.batch_id, "error": str(exc)}
+        _log.error("spooled batch unreadable; set aside", extra=extra)
+        await self._set_aside(batch, f"unreadable: {exc}")
+        return Outcome.REJECTED
 
     async def _delivered(self, *batches: StoredBatch) -> None:
         try:
@@ -188,16 +210,7 @@ class ExporterWorker(WorkerIntake):
             try:
                 records = await self.store.load(batch)
             except CorruptBatchError as exc:
-                _log.error(
-                    "spooled batch unreadable; set aside",
-                    extra={
-                        "exporter": self.name,
-                        "batch_id": batch.meta.batch_id,
-                        "error": str(exc),
-                    },
-                )
-                await self._set_aside(batch, f"unreadable: {exc}")
-                return Outcome.REJECTED
+                return await self._unreadable(batch, exc)
             except Exception as exc:
                 self._store_failed("load", exc)
                 self.store.forget(batch)
