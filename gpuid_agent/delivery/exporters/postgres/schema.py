@@ -234,3 +234,8 @@ def refused_readings(tables: Tables) -> str:
         f"SELECT count(DISTINCT s.record_id) FROM {STAGE_READINGS} s WHERE NOT EXISTS "
         f"(SELECT 1 FROM {tables.readings} r WHERE r.record_id = s.record_id)"
     )
+
+
+def counted(insert: str) -> str:
+    """An INSERT that answers how many rows it inserted (one value, not one row per row)."""
+    return f"WITH inserted AS ({insert} RETURNING 1) SELECT count(*) FROM inserted"

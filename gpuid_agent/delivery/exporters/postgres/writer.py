@@ -28,6 +28,7 @@ from gpuid_agent.delivery.exporters.postgres.schema import (
     STAGE_READINGS,
     STAGING,
     Tables,
+    counted,
     insert_events,
     insert_readings,
     refused_readings,
@@ -52,7 +53,7 @@ class CopyWriter:
         # COPY quotes the names it is given: pass them folded as PostgreSQL folds them.
         schema, _, bare = tables.readings.lower().rpartition(".")
         self._readings = (schema or None, bare)
-        self._insert_readings = insert_readings(tables)
+        self._insert_readings = counted(insert_readings(tables))
         self._upsert_allocations = upsert_allocations(tables)
         self._insert_events = insert_events(tables)
         # Set once a unique constraint other than record_id's refused a COPY: from then on
@@ -108,7 +109,7 @@ class CopyWriter:
             except asyncpg.UniqueViolationError as exc:
                 self.other_unique = self._refused_by(exc)
         await self._stage(conn, 0, fresh)
-        inserted = len(await conn.fetch(self._insert_readings + " RETURNING 1"))
+        inserted = await conn.fetchval(self._insert_readings)
         if inserted < count:
             # Rows not inserted whose record_id the table still lacks were refused by
             # another constraint; the others arrived in between (already stored).
