@@ -13,6 +13,8 @@ separator and a lone surrogate as the NULL marker while the row is escaped in on
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,6 +25,7 @@ from gpuid_agent.runtime.errors import CorruptBatchError
 MAGIC = b"#gpuid-pgcopy/1"
 _SEP, _NULL = "\x00", "\ud800"
 _ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+_SPECIAL = re.compile("[\\\\\t\n\r]")
 
 
 def _array(values: list[Any]) -> str:
@@ -30,15 +33,23 @@ def _array(values: list[Any]) -> str:
     return "{" + ",".join(f'"{item}"' for item in items) + "}"
 
 
+@functools.lru_cache(maxsize=256)  # a snapshot's rows share one read_time
+def _time(value: datetime) -> str:
+    return value.isoformat()
+
+
 def _field(value: Any) -> str:
+    kind = value.__class__
+    if kind is int:
+        return str(value)
     if value is None:
         return _NULL
-    if value.__class__ is str:
-        return value
+    if kind is str:
+        return value  # type: ignore[no-any-return]
     if isinstance(value, datetime):
-        return value.isoformat()
+        return _time(value)
     if isinstance(value, list):
-        return _array(value)
+        return _array(value) if value else "{}"
     return str(value)
 
 
@@ -52,12 +63,12 @@ def _escaped(value: Any) -> str:
 
 def line(row: Sequence[Any]) -> str:
     """One row as a COPY text line (without its newline)."""
-    fields = [_field(v) for v in row]
-    joined = _SEP.join(fields)
-    nulls = sum(1 for v in row if v is None)
-    if joined.count(_SEP) != len(row) - 1 or joined.count(_NULL) != nulls:
+    joined = _SEP.join([v if v.__class__ is str else _field(v) for v in row])
+    if joined.count(_SEP) != len(row) - 1 or joined.count(_NULL) != row.count(None):
         return "\t".join(_escaped(v) for v in row)  # a value held a marker: escape one by one
-    return joined.translate(_ESCAPES).replace(_SEP, "\t").replace(_NULL, "\\N")
+    if _SPECIAL.search(joined) is not None:  # rare: most rows need no escape at all
+        joined = joined.translate(_ESCAPES)
+    return joined.replace(_SEP, "\t").replace(_NULL, "\\N")
 
 
 def section(rows: Iterable[Sequence[Any]]) -> bytes:
