@@ -128,24 +128,26 @@ class Payload:
         counts = [0, 0, 0]
         for data in encoded:
             end = data.find(b"\n")
-            head = data[:end].split(b" ") if end > 0 else []
+            head = data[:end].split(b" ") if end > 0 else ()
             if len(head) != 7 or head[0] != MAGIC:
                 raise CorruptBatchError("not a COPY payload (header missing or malformed)")
             try:
-                numbers = [int(p) for p in head[1:]]
+                numbers = tuple(map(int, head[1:]))
             except ValueError as exc:
                 raise CorruptBatchError(f"malformed COPY payload header: {exc}") from exc
-            view, at = memoryview(data), end + 1
-            if min(numbers) < 0 or at + sum(numbers[3:]) != len(data):
+            at = end + 1
+            if min(numbers) < 0 or at + numbers[3] + numbers[4] + numbers[5] != len(data):
                 raise CorruptBatchError("a COPY payload does not hold the bytes it declares")
-            for i in range(3):
+            view = memoryview(data)
+            for i in (0, 1, 2):
                 size = numbers[3 + i]
-                if size:
-                    if data[at + size - 1] != 0x0A:
-                        raise CorruptBatchError("a COPY section does not end its last row")
-                    parts[i].append(view[at : at + size])
-                at += size
                 counts[i] += numbers[i]
+                if not size:
+                    continue
+                if data[at + size - 1] != 0x0A:
+                    raise CorruptBatchError("a COPY section does not end its last row")
+                parts[i].append(view[at : at + size])
+                at += size
         readings, allocations, events = (b"".join(p) for p in parts)
         for count, section in zip(counts, (readings, allocations, events), strict=True):
             if section.count(b"\n") != count:
