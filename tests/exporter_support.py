@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
@@ -109,3 +111,26 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(interval)
+
+
+def spool_files(directory: Path) -> list[Path]:
+    """The batch files of one exporter's spool directory (whatever their stored form)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def spooled_record_ids(path: Path) -> list[str]:
+    """The record ids one spool file holds: JSON lines, or the PostgreSQL exporter's COPY
+    text (read with its own decoder, which the tests of that form check separately)."""
+    data = path.read_bytes()
+    if path.suffix == ".ndjson":
+        return [json.loads(line)["record_id"] for line in data.splitlines() if line.strip()]
+    from gpuid_agent.delivery.exporters.postgres import rows as rowmap
+    from gpuid_agent.delivery.exporters.postgres.copytext import Payload, column_values
+
+    payload = Payload.decode(data)
+    ids = column_values(payload.readings, rowmap.READING_COLUMNS.index("record_id"))
+    ids += column_values(payload.allocations, rowmap.ALLOCATION_COLUMNS.index("record_id"))
+    ids += column_values(payload.events, rowmap.EVENT_COLUMNS.index("record_id"))
+    return ids

@@ -229,6 +229,8 @@ async def test_readyz_polls_open_no_database_connection(
             COLLECT_INTERVAL="1h",
             HEARTBEAT_INTERVAL="1h",
             HEALTH_PROBE_INTERVAL="1h",
+            # keep the delivery's connection open, so a probe would show on it
+            POSTGRES_IDLE_TIMEOUT="1h",
             POD_RESOURCES_SOCKET=str(Path(os.devnull).parent / "no-kubelet.sock"),
         )
 

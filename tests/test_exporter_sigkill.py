@@ -4,7 +4,6 @@ PostgreSQL holds each record once."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -13,17 +12,17 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.exporter_support import eventually
+from tests.exporter_support import eventually, spool_files, spooled_record_ids
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
 
 
 def spooled_ids(spool: Path) -> set[str]:
     return {
-        json.loads(line)["record_id"]
-        for path in spool.glob("*/*.ndjson")
-        for line in path.read_bytes().splitlines()
-        if line.strip()
+        record_id
+        for exporter in ("postgres", "http")
+        for path in spool_files(spool / exporter)
+        for record_id in spooled_record_ids(path)
     }
 
 
@@ -86,7 +85,7 @@ async def test_sigkill_mid_batch_then_restart_loses_nothing(
         await locker.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
         await eventually(lambda: len(receiver.requests) > seen_before_stall)
         await eventually(
-            lambda: all(len(list((spool / n).glob("*.ndjson"))) >= 2 for n in ("postgres", "http"))
+            lambda: all(len(spool_files(spool / n)) >= 2 for n in ("postgres", "http"))
         )
         first.send_signal(signal.SIGKILL)
         assert await asyncio.to_thread(first.wait, 10) == -signal.SIGKILL

@@ -88,7 +88,12 @@ def build_pipeline(
         problem: str | None = None
         if spool_dir:
             try:
-                store = DiskSpool(Path(spool_dir) / exporter.name, share, memory_limit=in_memory)
+                store = DiskSpool(
+                    Path(spool_dir) / exporter.name,
+                    share,
+                    memory_limit=in_memory,
+                    form=exporter.stored_form,
+                )
             except OSError as exc:
                 problem = f"spool unusable, memory-only: {exc}"
                 _log.error(problem, extra={"exporter": exporter.name})

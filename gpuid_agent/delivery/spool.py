@@ -3,8 +3,11 @@
 Each batch is written to a hidden temporary name, fsync'd, renamed into place (atomic), and the
 directory fsync'd, so a crash leaves either the whole batch or nothing; a failed write removes
 what it wrote. A delivered batch's file is removed; files left behind by a previous run are
-re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.ndjson`, so
-the spool can be indexed, ordered and trimmed without reading a byte of it. Batches a sink
+re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.<form>`, so
+the spool can be indexed, ordered and trimmed without reading a byte of it. The form is
+`ndjson` (JSON lines), or the exporter's own stored form when it has one (PostgreSQL: COPY
+text), encoded when the batch is written so a backlog has nothing left to convert; files of
+either form are re-sent, whichever the exporter writes now. Batches a sink
 rejected move to `rejected/` for an operator to inspect or replay.
 
 When the disk fails (full, read-only, gone), nothing raises at the caller: new batches are kept
@@ -20,15 +23,27 @@ import contextlib
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm
+from gpuid_agent.delivery.spool_files import (
+    Encoded,
+    fsync_dir,
+    read_files,
+    read_records,
+    reason,
+    stored_paths,
+    unlink_all,
+    write_atomic,
+)
 from gpuid_agent.delivery.store import (
+    JSON_LINES,
     BatchStore,
     MemoryBatches,
     StoredBatch,
-    decode,
     encode,
     trim_memory,
 )
@@ -38,47 +53,15 @@ from gpuid_agent.runtime.errors import CorruptBatchError
 __all__ = ["REJECTED_DIR", "BatchStore", "DiskSpool", "MemoryBatches", "StoredBatch"]
 
 _log = log.get("spool")
-_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.ndjson$")
+_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
 REJECTED_DIR = "rejected"
 
 
-def _consume_exception(task: asyncio.Future[list[Record]]) -> None:
+def _consume_exception(task: asyncio.Future[Any]) -> None:
     # A prefetch whose batch was dropped is never awaited: read its outcome so asyncio
     # does not report it; the real load reads the file again and reports any error.
     if not task.cancelled():
         task.exception()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(directory: Path, name: str, payload: bytes) -> None:
-    tmp, final = directory / f".{name}.tmp", directory / name
-    renamed = False
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        renamed = True
-        _fsync_dir(directory)
-    except BaseException:
-        # Leave nothing behind: the caller keeps the batch elsewhere, and a file it does
-        # not track would be sent again by the next start.
-        with contextlib.suppress(OSError):
-            (final if renamed else tmp).unlink(missing_ok=True)
-        raise
-
-
-def _reason(directory: Path, exc: OSError) -> str:
-    detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
-    return f"spool {directory}: {detail}"
 
 
 class DiskSpool(BatchStore):
@@ -86,8 +69,15 @@ class DiskSpool(BatchStore):
 
     durable = True
 
-    def __init__(self, directory: Path, max_bytes: int, memory_limit: int = 10_000) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        memory_limit: int = 10_000,
+        form: StoredForm | None = None,
+    ) -> None:
         super().__init__()
+        self.form = form
         self.directory = directory
         self.rejected_dir = directory / REJECTED_DIR
         self.max_bytes = max_bytes
@@ -98,6 +88,9 @@ class DiskSpool(BatchStore):
         self._orphans: list[Path] = []  # delivered or dropped, but their file would not go
         # read-ahead of at most the batch being sent and the one after it, by batch id
         self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
+        self._unlinking: asyncio.Future[None] | None = None
+        # read-ahead of the next coalesced delivery: its batch ids and the read
+        self._ahead: tuple[tuple[str, ...], asyncio.Future[list[Encoded]]] | None = None
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         probe = directory / ".probe.tmp"
         probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
@@ -107,7 +100,7 @@ class DiskSpool(BatchStore):
     @staticmethod
     def _name(batch: StoredBatch) -> str:
         created_ns = int(batch.meta.created.timestamp() * 1e9)
-        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.ndjson"
+        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.{batch.form}"
 
     def _index(self, directory: Path) -> list[StoredBatch]:
         found: list[StoredBatch] = []
@@ -121,7 +114,9 @@ class DiskSpool(BatchStore):
             created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
             meta = BatchMeta(match.group(2), created)
             size = entry.stat().st_size
-            found.append(StoredBatch(meta, int(match.group(3)), size=size, path=entry))
+            batch = StoredBatch(meta, int(match.group(3)), size=size, path=entry)
+            batch.form = match.group(4)
+            found.append(batch)
         return found
 
     def _scan(self) -> None:
@@ -165,13 +160,13 @@ class DiskSpool(BatchStore):
         return self._bytes >= self.max_bytes
 
     def _failed(self, exc: OSError, what: str) -> None:
-        reason = _reason(self.directory, exc)
-        if self._problem != reason:
+        why = reason(self.directory, exc)
+        if self._problem != why:
             _log.error(
                 f"spool {what} failed",
-                extra={"spool": str(self.directory), "error": reason},
+                extra={"spool": str(self.directory), "error": why},
             )
-        self._problem = reason
+        self._problem = why
 
     async def _recovered(self) -> None:
         """A write went through: remove the files that would not go while it failed."""
@@ -187,12 +182,10 @@ class DiskSpool(BatchStore):
 
     async def add(self, records: list[Record]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records))
-        payload = encode(records)
-        name = self._name(batch)
-        batch.size = len(payload)
         try:
-            await asyncio.to_thread(_write_atomic, self.directory, name, payload)
+            name = await asyncio.to_thread(self._encode_write, batch, records)
         except OSError as exc:
+            batch.form = JSON_LINES
             self._failed(exc, "write")
             batch.records = records  # kept in memory, within the memory bound
             self._pending[batch.meta.batch_id] = batch
@@ -205,6 +198,29 @@ class DiskSpool(BatchStore):
         if self._problem is not None or self._orphans:
             await self._recovered()
         return await self._trim(keep=batch)
+
+    def _encode_write(self, batch: StoredBatch, records: list[Record]) -> str:
+        """Encode (the exporter's form, else JSON lines) and write; the file's name."""
+        payload: bytes | None = None
+        if self.form is not None:
+            try:
+                payload = self.form.encode(records)
+                batch.form = self.form.suffix
+            except Exception as exc:  # the records themselves are never lost to an encoder
+                _log.error(
+                    "batch kept as JSON lines: its stored form failed",
+                    extra={"spool": str(self.directory), "error": repr(exc)},
+                )
+        if payload is None:
+            payload = encode(records)
+        name = self._name(batch)
+        batch.size = len(payload)
+        try:
+            write_atomic(self.directory, name, payload)
+        except OSError:
+            batch.form = JSON_LINES  # kept in memory as records; size stays an estimate
+            raise
+        return name
 
     async def _trim(self, keep: StoredBatch) -> list[StoredBatch]:
         dropped: list[StoredBatch] = []
@@ -243,20 +259,25 @@ class DiskSpool(BatchStore):
             self._failed(exc, "remove")
             self._orphans.append(path)
 
-    @staticmethod
-    def _read(path: Path, count: int) -> list[Record]:
-        """Read and decode one batch file (in a worker thread: a 10,000-record batch takes
-        tens of milliseconds to decode, which would stall scrapes on the event loop)."""
+    def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
+        # A backlog of many small files drains at the sink's speed only if the next
+        # delivery's files are read while the current one is in flight.
+        key = tuple(b.meta.batch_id for b in batches)
+        if not key or (self._ahead is not None and self._ahead[0] == key):
+            return
         try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
-        records = decode(data)
-        if len(records) != count:
-            raise CorruptBatchError(
-                f"{path.name} holds {len(records)} records, its name says {count}"
-            )
-        return records
+            paths = stored_paths(batches)
+        except CorruptBatchError:
+            return  # the load reports it
+        task = asyncio.ensure_future(asyncio.to_thread(read_files, paths))
+        task.add_done_callback(_consume_exception)
+        self._ahead = (key, task)
+
+    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == tuple(b.meta.batch_id for b in batches):
+            return await ahead[1]
+        return await asyncio.to_thread(read_files, stored_paths(batches))
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
@@ -273,10 +294,13 @@ class DiskSpool(BatchStore):
             following is None
             or following.records is not None
             or following.path is None
+            or following.form != JSON_LINES
             or following.meta.batch_id in self._prefetched
         ):
             return
-        task = asyncio.ensure_future(asyncio.to_thread(self._read, following.path, following.count))
+        task = asyncio.ensure_future(
+            asyncio.to_thread(read_records, following.path, following.count)
+        )
         task.add_done_callback(_consume_exception)
         self._prefetched[following.meta.batch_id] = task
 
@@ -290,14 +314,46 @@ class DiskSpool(BatchStore):
             return batch.records
         if batch.path is None:
             raise CorruptBatchError("batch file is gone")
+        if batch.form != JSON_LINES:
+            raise CorruptBatchError(f"{batch.path.name} holds {batch.form}, not records")
         task = self._prefetched.pop(batch.meta.batch_id, None)
         if task is not None:
             return await task
-        return await asyncio.to_thread(self._read, batch.path, batch.count)
+        return await asyncio.to_thread(read_records, batch.path, batch.count)
 
     async def remove(self, batch: StoredBatch) -> None:
         self.forget(batch)
         await self._unlink(batch)
+
+    async def remove_all(self, batches: Sequence[StoredBatch]) -> None:
+        """Forget delivered batches at once and unlink their files in one thread hop, while
+        the next delivery runs (thousands of small files take longer to unlink than to send);
+        a crash before the unlink re-sends them, which record ids dedupe."""
+        paths: list[Path] = []
+        for batch in batches:
+            self.forget(batch)
+            self._drop_prefetch(batch.meta.batch_id)
+            if batch.path is not None:
+                paths.append(batch.path)
+                batch.path = None
+                self._bytes -= batch.size
+        self._unlinking = asyncio.ensure_future(self._unlink_after(self._unlinking, paths))
+
+    async def _unlink_after(self, previous: asyncio.Future[None] | None, paths: list[Path]) -> None:
+        if previous is not None:
+            await previous  # one unlinking thread at a time, in delivery order
+        stuck = await asyncio.to_thread(unlink_all, paths)
+        if stuck:
+            self._failed(stuck[0][1], "remove")
+            self._orphans += [path for path, _ in stuck]
+
+    async def settle(self) -> None:
+        """Wait for the unlinks `remove_all` started."""
+        while self._unlinking is not None:
+            task = self._unlinking
+            await task
+            if self._unlinking is task:
+                self._unlinking = None
 
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         self.forget(batch)
@@ -307,7 +363,7 @@ class DiskSpool(BatchStore):
             try:  # a batch that only ever lived in memory: write it now
                 name = self._name(batch)
                 payload = encode(batch.records)
-                await asyncio.to_thread(_write_atomic, self.rejected_dir, name, payload)
+                await asyncio.to_thread(write_atomic, self.rejected_dir, name, payload)
             except OSError as exc:
                 self._failed(exc, "write")
                 return False, []
@@ -322,7 +378,7 @@ class DiskSpool(BatchStore):
                 await self._unlink(batch)
                 return False, []
             with contextlib.suppress(OSError):
-                await asyncio.to_thread(_fsync_dir, self.rejected_dir)
+                await asyncio.to_thread(fsync_dir, self.rejected_dir)
             batch.path = target
         self._rejected[batch.meta.batch_id] = batch
         dropped = await self._trim(keep=batch)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record, json_bytes
+from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm, json_bytes
 from gpuid_agent.runtime.errors import CorruptBatchError
+
+JSON_LINES = "ndjson"
 
 
 @dataclass(slots=True, eq=False)
@@ -29,6 +32,7 @@ class StoredBatch:
     path: Path | None = None
     in_flight: bool = False
     dropped_for: str = ""  # why the store dropped it, once it did
+    form: str = JSON_LINES  # how its file holds it: JSON lines, or the exporter's stored form
 
 
 class BatchStore(ABC):
@@ -49,6 +53,15 @@ class BatchStore(ABC):
     @abstractmethod
     async def remove(self, batch: StoredBatch) -> None: ...
 
+    async def remove_all(self, batches: Sequence[StoredBatch]) -> None:
+        """Remove delivered batches (a coalesced delivery's)."""
+        for batch in batches:
+            await self.remove(batch)
+
+    async def settle(self) -> None:
+        """Finish removals still running in the background."""
+        return None
+
     @abstractmethod
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         """Move a rejected batch out of the way: (its records were kept, batches dropped
@@ -61,6 +74,23 @@ class BatchStore(ABC):
 
     def oldest(self) -> StoredBatch | None:
         return next(iter(self._pending.values()), None)
+
+    def following(self, batch: StoredBatch) -> Iterator[StoredBatch]:
+        """The batches queued after `batch`, oldest first."""
+        found = False
+        for candidate in self._pending.values():
+            if found:
+                yield candidate
+            elif candidate is batch:
+                found = True
+
+    def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
+        """Start reading the next delivery's files while the current one is in flight."""
+        return None
+
+    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[bytes]:
+        """The files of batches kept in an exporter's stored form, as written."""
+        raise CorruptBatchError(f"{self.describe()} keeps no batches in a stored form")
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         """Start reading the batch queued after `batch` while `batch` is being sent."""
@@ -120,6 +150,26 @@ class MemoryBatches(BatchStore):
     async def set_aside(self, batch: StoredBatch) -> tuple[bool, list[StoredBatch]]:
         self.forget(batch)
         return False, []
+
+
+def coalesce(store: BatchStore, first: StoredBatch, form: StoredForm) -> list[StoredBatch]:
+    """`first` and the batches queued right after it in the same form (stored-form files, or
+    records held in memory), within the form's bounds: what one delivery takes from a backlog."""
+    group, records, size = [first], first.count, first.size
+    in_memory = first.records is not None  # batches held as records join records only
+    for batch in store.following(first):
+        records += batch.count
+        size += batch.size
+        if (
+            batch.form != first.form
+            or (batch.records is not None) != in_memory
+            or batch.in_flight
+            or records > form.max_records
+            or size > form.max_bytes
+        ):
+            break
+        group.append(batch)
+    return group
 
 
 def trim_memory(

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gpuid_agent.delivery.exporters.base import BatchMeta, ExporterHealth, Record
 from gpuid_agent.delivery.intake import CLOSE, BatchPolicy, WorkerIntake, memory_split
-from gpuid_agent.delivery.store import StoredBatch
+from gpuid_agent.delivery.store import StoredBatch, coalesce
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
 from gpuid_agent.runtime.retry import RETRY_AFTER_CAP, backoff_delay
@@ -36,22 +36,16 @@ class Outcome(enum.Enum):
 class ExporterWorker(WorkerIntake):
     # ---- delivery ----------------------------------------------------------------------------
 
-    async def _attempt(self, batch: Sequence[Record], meta: BatchMeta) -> None:
-        name = self.name
+    async def _attempt(self, send: Callable[[], Awaitable[None]]) -> None:
         started = time.perf_counter()
         try:
-            call = (
-                self.exporter.export(batch, meta)
-                if self._pass_meta
-                else self.exporter.export(batch)
-            )
-            await asyncio.wait_for(call, self.policy.timeout)
+            await asyncio.wait_for(send(), self.policy.timeout)
         except TimeoutError as exc:
             raise ExportError(
                 f"export timed out after {self.policy.timeout}s", error_type="timeout"
             ) from exc
         finally:
-            self._metrics.export_duration.labels(name).observe(time.perf_counter() - started)
+            self._metrics.export_duration.labels(self.name).observe(time.perf_counter() - started)
 
     def _pause_for(self, attempt: int) -> float:
         delay = backoff_delay(attempt, self.policy.backoff_base, self.policy.backoff_max)
@@ -61,7 +55,16 @@ class ExporterWorker(WorkerIntake):
 
     async def deliver(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> Outcome:
         """Try a batch up to 1 + retry_count times."""
-        meta = meta or BatchMeta.new()
+        given = meta or BatchMeta.new()
+
+        def send() -> Awaitable[None]:
+            if self._pass_meta:
+                return self.exporter.export(batch, given)
+            return self.exporter.export(batch)
+
+        return await self._deliver(send, len(batch))
+
+    async def _deliver(self, send: Callable[[], Awaitable[None]], count: int) -> Outcome:
         name = self.name
         attempts = 1 + self.policy.retry_count
         for attempt in range(attempts):
@@ -69,7 +72,7 @@ class ExporterWorker(WorkerIntake):
                 self._metrics.export_retries.labels(name).inc()
             self._last_attempt = time.monotonic()
             try:
-                await self._attempt(batch, meta)
+                await self._attempt(send)
             except ExportError as exc:
                 self._record_failure(exc.error_type, str(exc), exc.retry_after)
                 if not exc.retryable:
@@ -77,7 +80,7 @@ class ExporterWorker(WorkerIntake):
             except Exception as exc:  # an exporter bug must not kill the worker
                 self._record_failure(type(exc).__name__, repr(exc), None)
             else:
-                self._record_success(len(batch))
+                self._record_success(count)
                 return Outcome.DELIVERED
             if attempt + 1 < attempts:
                 await asyncio.sleep(self._pause_for(attempt))
@@ -119,21 +122,95 @@ class ExporterWorker(WorkerIntake):
         self._refresh()
 
     async def _send(self, batch: StoredBatch) -> Outcome:
+        form = self.exporter.stored_form
+        if form is not None and batch.records is None and batch.form == form.suffix:
+            group = coalesce(self.store, batch, form)
+            after = next(self.store.following(group[-1]), None)
+            if after is not None and after.records is None and after.form == form.suffix:
+                self.store.prefetch_stored(coalesce(self.store, after, form))
+            outcome = await self._send_stored(group)
+            if outcome is not Outcome.REJECTED or len(group) == 1:
+                return outcome
+            # One of them spoils the delivery: send each alone, so only that one is set aside.
+            for single in group:
+                outcome = await self._send_stored([single])
+                if outcome is Outcome.FAILED:
+                    return outcome
+            return outcome
+        if form is not None and batch.records is not None:
+            group = coalesce(self.store, batch, form)
+            if len(group) > 1:
+                return await self._send_held(group)
+        return await self._send_records(batch)
+
+    async def _send_held(self, group: list[StoredBatch]) -> Outcome:
+        """Batches held in memory as records (no spool, or an unwritable one), joined."""
+        for batch in group:
+            batch.in_flight = True
+        try:
+            records = [r for batch in group for r in batch.records or []]
+            outcome = await self.deliver(records, group[0].meta)
+            if outcome is Outcome.DELIVERED:
+                await self._delivered(*group)
+        finally:
+            for batch in group:
+                batch.in_flight = False
+            self._room.set()
+            self._after_store_op()
+        if outcome is Outcome.REJECTED:  # find the one the sink refuses
+            for single in group:
+                outcome = await self._send_records(single)
+                if outcome is Outcome.FAILED:
+                    break
+        return outcome
+
+    async def _send_stored(self, group: list[StoredBatch]) -> Outcome:
+        for batch in group:
+            batch.in_flight = True
+        try:
+            try:
+                payloads = await self.store.load_stored(group)
+            except CorruptBatchError as exc:
+                if len(group) > 1:
+                    return Outcome.REJECTED  # the caller finds which one, one by one
+                return await self._unreadable(group[0], exc)
+            meta = group[0].meta
+            outcome = await self._deliver(
+                lambda: self.exporter.export_stored(payloads, meta), sum(b.count for b in group)
+            )
+            if outcome is Outcome.DELIVERED:
+                await self._delivered(*group)
+            elif outcome is Outcome.REJECTED and len(group) == 1:
+                await self._set_aside(group[0], self.last_error or "rejected")
+            return outcome
+        finally:
+            for batch in group:
+                batch.in_flight = False
+            self._room.set()
+            self._after_store_op()
+
+    async def _unreadable(self, batch: StoredBatch, exc: Exception) -> Outcome:
+        extra = {"exporter": self.name, "batch_id": batch.meta.batch_id, "error": str(exc)}
+        _log.error("spooled batch unreadable; set aside", extra=extra)
+        await self._set_aside(batch, f"unreadable: {exc}")
+        return Outcome.REJECTED
+
+    async def _delivered(self, *batches: StoredBatch) -> None:
+        try:
+            await self.store.remove_all(batches)
+        except Exception as exc:
+            # Delivered: never send them again from here, whatever their files became.
+            self._store_failed("remove", exc)
+            for batch in batches:
+                self.store.forget(batch)
+
+    async def _send_records(self, batch: StoredBatch) -> Outcome:
         batch.in_flight = True
         try:
             try:
                 records = await self.store.load(batch)
             except CorruptBatchError as exc:
-                _log.error(
-                    "spooled batch unreadable; set aside",
-                    extra={
-                        "exporter": self.name,
-                        "batch_id": batch.meta.batch_id,
-                        "error": str(exc),
-                    },
-                )
-                await self._set_aside(batch, f"unreadable: {exc}")
-                return Outcome.REJECTED
+                return await self._unreadable(batch, exc)
             except Exception as exc:
                 self._store_failed("load", exc)
                 self.store.forget(batch)
@@ -141,12 +218,7 @@ class ExporterWorker(WorkerIntake):
                 return Outcome.REJECTED
             outcome = await self.deliver(records, batch.meta)
             if outcome is Outcome.DELIVERED:
-                try:
-                    await self.store.remove(batch)
-                except Exception as exc:
-                    # Delivered: never send it again from here, whatever its file became.
-                    self._store_failed("remove", exc)
-                    self.store.forget(batch)
+                await self._delivered(batch)
             elif outcome is Outcome.REJECTED:
                 await self._set_aside(batch, self.last_error or "rejected")
             return outcome
@@ -232,6 +304,7 @@ class ExporterWorker(WorkerIntake):
                 batcher = tasks.create_task(self._batch_loop())
                 await self._send_loop()
                 batcher.cancel()
+            await self.store.settle()
         except asyncio.CancelledError:
             self._left_behind()
             raise

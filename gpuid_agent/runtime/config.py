@@ -187,6 +187,11 @@ class Settings(OtelSettings):
     postgres_sslmode: Literal[
         "disable", "allow", "prefer", "require", "verify-ca", "verify-full"
     ] = Field("require", description="PostgreSQL SSL mode.")
+    postgres_idle_timeout: PositiveDuration = Field(
+        30.0,
+        description="Close the PostgreSQL connection after this long without a delivery "
+        "(an idle node holds none).",
+    )
     postgres_table: str = Field("gpu_readings", description="Readings table name.")
     postgres_auto_migrate: bool = Field(True, description="Create tables at start.")
     postgres_allocations_table: str = Field(

@@ -87,6 +87,13 @@ class AgentMetrics:
             ["exporter", "reason"],
             registry=r,
         )
+        self.discarded_records = Counter(
+            "gpuid_export_discarded_records_total",
+            "Records a sink accepted but did not keep, by exporter and reason (`constraint`: "
+            "a unique constraint other than the record id's dropped the row).",
+            ["exporter", "reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "gpuid_queue_depth", "Records waiting for an exporter.", ["exporter"], registry=r
         )

@@ -133,6 +133,7 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- $_ := set $env "POSTGRES_SSLMODE" $pg.sslmode }}
 {{- $_ := set $env "POSTGRES_TABLE" $pg.table }}
 {{- $_ := set $env "POSTGRES_AUTO_MIGRATE" ($pg.autoMigrate | toString) }}
+{{- $_ := set $env "POSTGRES_IDLE_TIMEOUT" ($pg.idleTimeout | toString) }}
 {{- end }}
 {{- if has "s3" $ex.types }}
 {{- $s3 := $ex.s3 }}

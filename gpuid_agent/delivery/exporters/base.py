@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -50,6 +50,19 @@ class ExporterHealth:
         return "unavailable" if self.losing else "degraded"
 
 
+@dataclass(frozen=True, slots=True)
+class StoredForm:
+    """An exporter's own spool format. Its disk spool keeps each batch as `encode(records)`
+    (run off the event loop) in a file ending `.<suffix>`, and the sender hands consecutive
+    such batches back joined — up to `max_records` records and `max_bytes` bytes — to one
+    `export_stored` call, so a backlog drains in a few large deliveries whatever BATCH_SIZE was."""
+
+    suffix: str
+    encode: Callable[[list[Record]], bytes]
+    max_records: int
+    max_bytes: int
+
+
 class Exporter(ABC):
     """Delivers batches to one sink.
 
@@ -59,16 +72,22 @@ class Exporter(ABC):
     """
 
     name: str
+    stored_form: StoredForm | None = None
 
     @abstractmethod
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None: ...
+
+    async def export_stored(self, payloads: Sequence[bytes], meta: BatchMeta) -> None:
+        """Deliver batches kept in `stored_form`, as one delivery (exporters with a form)."""
+        raise NotImplementedError(f"{self.name} has no stored form")
 
     async def health(self) -> ExporterHealth:
         return ExporterHealth(ok=True)
 
     def bind_metrics(self, metrics: AgentMetrics) -> None:
-        """Called by the worker that drives this exporter, for counts only the sink's answers
-        tell (OTLP partial success); most exporters have none."""
+        """Called once by the worker that drives this exporter, for counts only the sink's
+        answers tell (OTLP partial success, rows a foreign UNIQUE constraint discarded); most
+        exporters have none."""
         return None
 
     async def close(self) -> None:

@@ -1,14 +1,16 @@
-"""PostgreSQL exporter (asyncpg): each batch in one transaction, idempotent by record id.
+"""PostgreSQL exporter (asyncpg): each delivery in one transaction, idempotent by record id.
 
-Readings are COPYed straight into their table after one index probe drops the ids already
-stored; allocations and other kinds (and readings, should the unique index refuse that COPY)
-go through per-connection staging tables and `INSERT … SELECT … ON CONFLICT`. Either way a
-re-sent batch (a retry, or a spooled batch re-sent after a crash) stores nothing twice.
-Readings go to the gpuid-compatible readings table, allocation records to the allocations
-table (one row per allocation, its end an update of that row), anything else to the events
-table. The pool and the migration are set up on first use, so an agent started while the
-database is down comes up and delivers once it is back; connections broken by a server
-restart are dropped and replaced.
+Batches are spooled already in COPY's text form (`copytext`), so a backlog drains as a few
+large COPY transactions with no per-record work left (`writer` says how each table is
+written and how re-sent records are skipped). Readings go to the gpuid-compatible readings
+table, allocation records to the allocations table (one row per allocation, its end an update
+of that row), anything else to the events table.
+
+Connections are held only while delivering: the pool keeps at most one, closed after
+POSTGRES_IDLE_TIMEOUT without a delivery, and health is never probed with a connection, so a
+fleet of idle nodes holds none. The pool and the migration are set up on first use (an agent
+started while the database is down delivers once it is back); connections broken by a server
+restart are dropped, and the worker's jittered backoff spreads the fleet's reconnects.
 """
 
 from __future__ import annotations
@@ -19,30 +21,35 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
-from gpuid_agent.delivery.exporters.postgres import rows as rowmap
-from gpuid_agent.delivery.exporters.postgres.schema import (
-    MIGRATION_LOCK,
-    STAGE_ALLOCATIONS,
-    STAGE_EVENTS,
-    STAGE_READINGS,
-    STAGING,
-    Tables,
-    insert_events,
-    insert_readings,
-    migration,
-    stored_ids,
-    upsert_allocations,
+from gpuid_agent.delivery.exporters.base import (
+    BatchMeta,
+    Exporter,
+    ExporterHealth,
+    Record,
+    StoredForm,
 )
+from gpuid_agent.delivery.exporters.postgres import rows as rowmap
+from gpuid_agent.delivery.exporters.postgres.copytext import Payload, section
+from gpuid_agent.delivery.exporters.postgres.schema import MIGRATION_LOCK, Tables, migration
+from gpuid_agent.delivery.exporters.postgres.writer import CopyWriter, Written
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import ExportError
+from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter
+
     from gpuid_agent.runtime.config import Settings
+    from gpuid_agent.runtime.metrics import AgentMetrics
 
 __all__ = ["PostgresExporter", "Tables"]
 _log = log.get("postgres")
-_RECORD_ID = rowmap.READING_COLUMNS.index("record_id")
+# One delivery of a backlog (about 17 MB of COPY text at 100,000 readings; the next one is
+# read ahead): large enough that per-transaction costs vanish, small enough
+# that a retry after a failure re-sends little and the server is never held for long.
+COALESCE_RECORDS = 100_000
+COALESCE_BYTES = 32 * 1024 * 1024
+# Records encoded off the event loop above this many (a batch of thousands takes tens of ms).
+_ENCODE_IN_THREAD = 1_000
 
 # Errors after which the pool's connections cannot be trusted (server restarted, network cut).
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -66,7 +73,10 @@ def _classify(exc: BaseException) -> ExportError:
         return ExportError(f"PostgreSQL refused the login: {exc}", error_type="auth")
     if isinstance(exc, _CONNECTION_ERRORS):
         return ExportError(f"PostgreSQL connection failed: {exc}", error_type="connection")
-    if isinstance(exc, asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
+    if isinstance(
+        exc,
+        asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError | asyncpg.InvalidSchemaNameError,
+    ):
         return ExportError(
             f"{exc} (create the tables, or set POSTGRES_AUTO_MIGRATE=true)", error_type="schema"
         )
@@ -81,8 +91,25 @@ def _classify(exc: BaseException) -> ExportError:
     return ExportError(f"PostgreSQL client error: {exc!r}", error_type=type(exc).__name__)
 
 
+def payload_of(records: list[Record]) -> Payload:
+    """A batch's rows per table in COPY text."""
+    rows = rowmap.split(records)
+    return Payload(
+        section(rows.readings),
+        section(rows.allocations),
+        section(rows.events),
+        (len(rows.readings), len(rows.allocations), len(rows.events)),
+    )
+
+
+def stored_payload(records: list[Record]) -> bytes:
+    """A batch in the exporter's stored form (what its spool files hold)."""
+    return payload_of(records).encode()
+
+
 class PostgresExporter(Exporter):
     name = "postgres"
+    stored_form = StoredForm("pgcopy", stored_payload, COALESCE_RECORDS, COALESCE_BYTES)
 
     def __init__(
         self,
@@ -96,7 +123,8 @@ class PostgresExporter(Exporter):
         tables: Tables | None = None,
         auto_migrate: bool = True,
         timeout: float = 30.0,
-        pool_size: int = 2,
+        idle_timeout: float = 30.0,
+        application_name: str = "gpuid-agent",
     ) -> None:
         self._connect: dict[str, Any] = {
             "host": host,
@@ -109,18 +137,15 @@ class PostgresExporter(Exporter):
         self.tables = tables or Tables.named("gpu_readings", "gpu_allocations", "gpu_events")
         self.auto_migrate = auto_migrate
         self.timeout = timeout
-        self.pool_size = max(1, pool_size)
+        self.idle_timeout = idle_timeout
+        self.application_name = application_name[:63]
         self._pool: asyncpg.Pool | None = None
         self._migrated = False
-        # COPY quotes the names it is given: pass them folded as PostgreSQL folds them.
-        schema, _, bare = self.tables.readings.lower().rpartition(".")
-        self._readings_name = (schema or None, bare)
         self._setup = asyncio.Lock()
-        self._sql = (
-            insert_readings(self.tables),
-            upsert_allocations(self.tables),
-            insert_events(self.tables),
-        )
+        self._writer = CopyWriter(self.tables)
+        self._discarded: Counter | None = None
+        self.discarded_records = 0
+        self._constraint_logged = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PostgresExporter:
@@ -138,25 +163,28 @@ class PostgresExporter(Exporter):
             ),
             auto_migrate=settings.postgres_auto_migrate,
             timeout=settings.timeout,
+            idle_timeout=settings.postgres_idle_timeout,
+            # which node holds a connection, for whoever reads pg_stat_activity
+            application_name=f"gpuid-agent {settings.effective_node_name()}",
         )
 
-    @staticmethod
-    async def _init_connection(conn: asyncpg.Connection) -> None:
-        for statement in STAGING:
-            await conn.execute(statement)
+    def bind_metrics(self, metrics: AgentMetrics) -> None:
+        self._discarded = metrics.discarded_records.labels(self.name, "constraint")
 
     async def _ready(self) -> asyncpg.Pool:
         async with self._setup:
             if self._pool is None:
                 self._pool = await asyncpg.create_pool(
                     **self._connect,
-                    min_size=0,  # no background reconnects while the server is down
-                    max_size=self.pool_size,
+                    min_size=0,  # no connection while idle, no reconnects while it is down
+                    max_size=1,  # deliveries are sequential
                     timeout=self.timeout,
                     command_timeout=self.timeout,
-                    max_inactive_connection_lifetime=300.0,
-                    init=self._init_connection,
-                    server_settings={"application_name": "gpuid-agent"},
+                    max_inactive_connection_lifetime=self.idle_timeout,
+                    # No statement outlives its transaction: safe behind PgBouncer's
+                    # transaction pooling, and a short-lived connection gains nothing.
+                    statement_cache_size=0,
+                    server_settings={"application_name": self.application_name},
                 )
             if self.auto_migrate and not self._migrated:
                 await self.migrate(self._pool)
@@ -211,63 +239,27 @@ class PostgresExporter(Exporter):
     def _tables(self) -> tuple[str, str, str]:
         return (self.tables.readings, self.tables.allocations, self.tables.events)
 
-    async def _stage(
-        self,
-        conn: asyncpg.Connection,
-        staged: str,
-        columns: tuple[str, ...],
-        sql: str,
-        data: list[tuple[Any, ...]],
-    ) -> None:
-        await conn.copy_records_to_table(staged, records=data, columns=columns)
-        await conn.execute(sql)
-
-    async def _write_readings(self, conn: asyncpg.Connection, data: list[tuple[Any, ...]]) -> None:
-        """Readings, the bulk of any backlog, take a faster path than staging: drop the rows
-        whose record_id is already stored (one index probe for the batch), COPY the rest
-        straight into the table. Should a row arrive from elsewhere in between, the unique
-        index refuses the COPY and the batch takes the staging path, which skips conflicts."""
-        ids = [row[_RECORD_ID] for row in data]
-        stored = {r[0] for r in await conn.fetch(stored_ids(self.tables), ids)}
-        fresh: list[tuple[Any, ...]] = []
-        for row in data:
-            if row[_RECORD_ID] not in stored:
-                stored.add(row[_RECORD_ID])  # a record twice in one batch is stored once
-                fresh.append(row)
-        if not fresh:
-            return
-        try:
-            async with conn.transaction():  # a savepoint: a refused COPY leaves the rest intact
-                await conn.copy_records_to_table(
-                    self._readings_name[1],
-                    schema_name=self._readings_name[0],
-                    records=fresh,
-                    columns=rowmap.READING_COLUMNS,
-                )
-        except asyncpg.UniqueViolationError:
-            await self._stage(conn, STAGE_READINGS, rowmap.READING_COLUMNS, self._sql[0], fresh)
-
-    async def _write(self, pool: asyncpg.Pool, batch: Sequence[Record]) -> None:
-        rows = rowmap.split(batch)
-        _, allocations_sql, events_sql = self._sql
-        async with pool.acquire() as conn, conn.transaction():
-            if rows.readings:
-                await self._write_readings(conn, rows.readings)
-            if rows.allocations:
-                await self._stage(
-                    conn,
-                    STAGE_ALLOCATIONS,
-                    rowmap.ALLOCATION_COLUMNS,
-                    allocations_sql,
-                    rows.allocations,
-                )
-            if rows.events:
-                await self._stage(conn, STAGE_EVENTS, rowmap.EVENT_COLUMNS, events_sql, rows.events)
-
     async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+        records = list(batch)
+        if len(records) > _ENCODE_IN_THREAD:
+            await self._deliver(await asyncio.to_thread(payload_of, records))
+        else:
+            await self._deliver(payload_of(records))
+
+    async def export_stored(self, payloads: Sequence[bytes], meta: BatchMeta) -> None:
+        try:
+            payload = Payload.join_encoded(payloads)
+        except CorruptBatchError as exc:
+            raise ExportError(
+                f"stored batch unreadable: {exc}", error_type="data", retryable=False
+            ) from exc
+        await self._deliver(payload)
+
+    async def _deliver(self, payload: Payload) -> None:
         try:
             pool = await self._ready()
-            await self._write(pool, batch)
+            async with pool.acquire() as conn:
+                written = await self._writer.write(conn, payload)
         except ExportError:
             raise
         except asyncio.CancelledError:
@@ -277,19 +269,32 @@ class PostgresExporter(Exporter):
             if error.error_type in ("connection", "timeout") and self._pool is not None:
                 await self._pool.expire_connections()  # reconnect on next use
             raise error from exc
+        if written.dropped:
+            self._count_discarded(written)
+
+    def _count_discarded(self, written: Written) -> None:
+        self.discarded_records += written.dropped
+        if self._discarded is not None:
+            self._discarded.inc(written.dropped)
+        if self._constraint_logged:
+            return  # once per process; the counter has the rest
+        self._constraint_logged = True
+        constraint = written.constraint or "<name from \\d " + self.tables.readings + ">"
+        _log.error(
+            "readings dropped by a unique constraint of the readings table (a table gpuid "
+            "created?): both dies of a GB200 superchip share a serial, so its UNIQUE keeps only "
+            "one; record_id already makes every row unique. Fix: "
+            f"ALTER TABLE {self.tables.readings} DROP CONSTRAINT {constraint};",
+            extra={
+                "table": self.tables.readings,
+                "constraint": written.constraint,
+                "records": written.dropped,
+            },
+        )
 
     async def health(self) -> ExporterHealth:
-        """A real round trip: a connection from the pool answers SELECT 1."""
-        try:
-            pool = await self._ready()
-            async with pool.acquire(timeout=self.timeout) as conn:
-                await conn.fetchval("SELECT 1", timeout=self.timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if self._pool is not None and isinstance(exc, (*_CONNECTION_ERRORS, TimeoutError)):
-                await self._pool.expire_connections()
-            return ExporterHealth(ok=False, reason=str(_classify(exc)))
+        """No round trip: a probe would hold a connection on every idle node of the fleet.
+        The worker's own deliveries say whether the database takes records."""
         return ExporterHealth(ok=True)
 
     async def close(self) -> None:

@@ -140,12 +140,14 @@ def migration(tables: Tables) -> list[str]:
     return statements
 
 
-# Per-connection staging tables: COPY lands here, then one INSERT … SELECT moves the rows.
+# Staging tables: COPY lands here, then one INSERT … SELECT moves the rows. Created inside the
+# delivery's transaction and dropped at its end: nothing outlives a transaction, so a pooler
+# in transaction mode (PgBouncer) may hand each transaction another server connection.
 
 
 def _staging(name: str, table: tuple[columns.Column, ...]) -> str:
     body = ", ".join(f"{c.name} {c.staged}" for c in table)
-    return f"CREATE TEMP TABLE IF NOT EXISTS {name} ({body}) ON COMMIT DELETE ROWS"
+    return f"CREATE TEMP TABLE IF NOT EXISTS {name} ({body}) ON COMMIT DROP"
 
 
 STAGING = (
@@ -154,7 +156,7 @@ STAGING = (
     f"""CREATE TEMP TABLE IF NOT EXISTS {STAGE_EVENTS} (
         record_id TEXT, kind TEXT, cluster TEXT, node TEXT, machine TEXT,
         observed_at TIMESTAMPTZ, payload JSONB
-    ) ON COMMIT DELETE ROWS""",
+    ) ON COMMIT DROP""",
 )
 
 _READING_TARGET = ", ".join(c.name for c in columns.READINGS)
@@ -234,3 +236,17 @@ def insert_events(tables: Tables) -> str:
 def stored_ids(tables: Tables) -> str:
     """Which of the record ids in $1 the readings table already holds."""
     return f"SELECT record_id FROM {tables.readings} WHERE record_id = ANY($1::text[])"
+
+
+def refused_readings(tables: Tables) -> str:
+    """How many staged readings the table still lacks after `insert_readings`: rows another
+    unique constraint (not record_id's) refused."""
+    return (
+        f"SELECT count(DISTINCT s.record_id) FROM {STAGE_READINGS} s WHERE NOT EXISTS "
+        f"(SELECT 1 FROM {tables.readings} r WHERE r.record_id = s.record_id)"
+    )
+
+
+def counted(insert: str) -> str:
+    """An INSERT that answers how many rows it inserted (one value, not one row per row)."""
+    return f"WITH inserted AS ({insert} RETURNING 1) SELECT count(*) FROM inserted"
