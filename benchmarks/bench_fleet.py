@@ -32,7 +32,7 @@ from benchmarks.fleet import (
     failures,
     sample_during,
 )
-from benchmarks.fleet_otlp import OtlpSink
+from benchmarks.fleet_otlp import KEEPALIVE, OtlpSink
 from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.servers.postgres import PostgresCluster
@@ -253,19 +253,20 @@ async def run() -> list[Row]:
 
 def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: float) -> list[Row]:
     per_k = 1000 / nodes
-    # Little's law: a node holds a connection for about one idle timeout per delivery.
-    expect_k = 1000 * schedule.deliveries_per_node() * schedule.idle_timeout
+    # Little's law: a node holds a connection for about one idle timeout (PostgreSQL) or
+    # keep-alive (OTLP) per delivery.
     c = f["compress"]
     group = f"fleet {nodes} {sink}"
     pg = sink == "postgres"
     # PostgreSQL: one transaction per delivery, held for POSTGRES_IDLE_TIMEOUT (compressed);
-    # OTLP: one POST per delivery on aiohttp keep-alive connections (15 s wall, not compressed)
+    # OTLP: one POST per delivery on a connection kept alive 15 s (compressed)
     per_delivery, unit, done = (
         ("transactions", "tx/s", "commit") if pg else ("requests", "req/s", "2xx answer")
     )
     limit = f["max_connections"]
     limit_note = f"server max_connections {limit}" if limit is not None else "server sets no limit"
-    arithmetic = f" (arithmetic: {expect_k:.0f})" if pg else " (keep-alive 15 s wall)"
+    held = schedule.idle_timeout if pg else KEEPALIVE
+    arithmetic = f" (arithmetic: {1000 * schedule.deliveries_per_node() * held:.0f})"
     return [
         Row(
             group,

@@ -18,9 +18,32 @@ import urllib.request
 from datetime import datetime
 from typing import Any
 
+import aiohttp
+
 from benchmarks.fleet import Expected, Schedule
 from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.delivery.exporters.otlp.transport import USER_AGENT, OtlpHttp
 from tests.servers.postgres import free_port
+
+KEEPALIVE = 15.0  # aiohttp's keep-alive of an idle client connection (seconds)
+
+
+class _CompressedKeepAlive(OtlpHttp):
+    """The exporter's transport with aiohttp's keep-alive divided by the fleet's compression,
+    as every other schedule is: uncompressed, a node delivering every few fleet-minutes would
+    hold its connection for a few wall seconds only; compressed without this, for ever."""
+
+    def __init__(self, endpoint: str, keepalive: float) -> None:
+        super().__init__(endpoint, timeout=30.0)
+        self.keepalive = keepalive
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=4, keepalive_timeout=self.keepalive),
+                headers={"User-Agent": USER_AGENT},
+            )
+        return self._session
 
 
 class OtlpSink:
@@ -63,7 +86,9 @@ class OtlpSink:
     def exporter(self, node: str, schedule: Schedule, compress: float) -> Exporter:
         from gpuid_agent.delivery.exporters.otlp import OtlpExporter
 
-        return OtlpExporter(f"{self.base}/v1/logs", timeout=30.0)
+        exporter = OtlpExporter(f"{self.base}/v1/logs", timeout=30.0)
+        exporter.http = _CompressedKeepAlive(exporter.endpoint, KEEPALIVE / compress)
+        return exporter
 
     async def connections(self) -> int | None:
         try:
