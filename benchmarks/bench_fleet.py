@@ -1,9 +1,10 @@
-"""Fleet simulation: N nodes' real PostgreSQL exporters on the default schedules, compressed
-in time (see benchmarks/fleet.py), into one real PostgreSQL.
+"""Fleet simulation: N nodes' real PostgreSQL and OTLP exporters (one worker each) on the
+default schedules, compressed in time (see benchmarks/fleet.py), into one real PostgreSQL and
+one OTLP receiver process (benchmarks/fleet_otlp.py). Without PostgreSQL, the OTLP sink alone.
 
 Phases per fleet size: a jittered start (every agent within START_WINDOW), a steady window
-(connections sampled from pg_stat_activity every 100 ms, deliveries counted, end-to-end p99
-from the rows' own times), a server outage of 60 fleet-seconds while the fleet keeps emitting,
+(connections sampled every 100 ms from pg_stat_activity and from the receiver's own server,
+deliveries counted, end-to-end p99 from the records' own times), a server outage of 60 fleet-seconds while the fleet keeps emitting,
 then the reconnect storm until everything emitted is stored. Figures per 1,000 nodes are the
 measured ones scaled linearly. `GPUID_BENCH_QUICK=1` runs 100 and 300 nodes for a short while.
 """
