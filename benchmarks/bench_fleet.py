@@ -1,9 +1,10 @@
-"""Fleet simulation: N nodes' real PostgreSQL exporters on the default schedules, compressed
-in time (see benchmarks/fleet.py), into one real PostgreSQL.
+"""Fleet simulation: N nodes' real PostgreSQL and OTLP exporters (one worker each) on the
+default schedules, compressed in time (see benchmarks/fleet.py), into one real PostgreSQL and
+one OTLP receiver process (benchmarks/fleet_otlp.py). Without PostgreSQL, the OTLP sink alone.
 
 Phases per fleet size: a jittered start (every agent within START_WINDOW), a steady window
-(connections sampled from pg_stat_activity every 100 ms, deliveries counted, end-to-end p99
-from the rows' own times), a server outage of 60 fleet-seconds while the fleet keeps emitting,
+(connections sampled every 100 ms from pg_stat_activity and from the receiver's own server,
+deliveries counted, end-to-end p99 from the records' own times), a server outage of 60 fleet-seconds while the fleet keeps emitting,
 then the reconnect storm until everything emitted is stored. Figures per 1,000 nodes are the
 measured ones scaled linearly. `GPUID_BENCH_QUICK=1` runs 100 and 300 nodes for a short while.
 """
@@ -32,6 +33,7 @@ from benchmarks.fleet import (
     failures,
     sample_during,
 )
+from benchmarks.fleet_otlp import KEEPALIVE, OtlpSink
 from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.servers.postgres import PostgresCluster
@@ -196,9 +198,9 @@ async def _simulate(sinks: list[Sink], nodes: int, schedule: Schedule) -> dict[s
         await asyncio.gather(*(s.start_server() for s in sinks))
         pending_at_restart = expected.total
 
-        for sink in sinks:
-
-            async def drained(sink: Sink = sink) -> bool:
+        # every sink drains at once (the fleet's workers retry into all of them together)
+        async def drain(sink: Sink) -> None:
+            async def drained() -> bool:
                 return (await sink.stored(expected)).total >= pending_at_restart
 
             samples, wall = await sample_during(sink, 600.0, drained)
@@ -206,30 +208,43 @@ async def _simulate(sinks: list[Sink], nodes: int, schedule: Schedule) -> dict[s
             f["storm_peak"] = samples.peak
             f["drain_fleet_s"], f["drain_wall_s"] = wall * compress, wall
             f["outage_failures"] = failed(sink) - f["before_outage"]
+
+        await asyncio.gather(*(drain(s) for s in sinks))
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Every node stops at once: a final flush the sink refuses stays in that node's spool
+        # (the agent sends it at its next start) and is not lost.
+        spooled = {
+            s.name: sum(w.store.records for n in fleet for w in n.workers if w.name == s.name)
+            for s in sinks
+        }
         shutil.rmtree(root, ignore_errors=True)
     for sink in sinks:
         f = out[sink.name]
         f["emitted"] = expected.total
-        f["lost"] = expected.total - (await sink.stored(expected)).total
+        f["spooled"] = spooled[sink.name]
+        f["lost"] = expected.total - (await sink.stored(expected)).total - f["spooled"]
         f["failures"] = failures(metrics, sink.name)
         f["max_connections"] = await sink.max_connections()
     return out
 
 
 def sinks() -> list[Sink]:
-    """The sinks every simulated node delivers to (one worker each)."""
-    return [PostgresSink()]
+    """The sinks every simulated node delivers to (one worker each); PostgreSQL where this
+    machine has it."""
+    chosen: list[Sink] = [OtlpSink()]
+    if not PostgresCluster.unavailable():
+        chosen.insert(0, PostgresSink())
+    return chosen
 
 
 async def run() -> list[Row]:
-    reason = PostgresCluster.unavailable()
-    if reason:
-        return [Row("fleet", "postgres", 0, "-", f"skipped: {reason}")]
     schedule = Schedule()
     rows: list[Row] = []
+    reason = PostgresCluster.unavailable()
+    if reason:
+        rows.append(Row("fleet", "postgres", 0, "-", f"skipped: {reason}"))
     for nodes in SIZES:
         chosen = sinks()
         await asyncio.gather(*(s.start() for s in chosen))
@@ -246,10 +261,20 @@ async def run() -> list[Row]:
 
 def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: float) -> list[Row]:
     per_k = 1000 / nodes
-    # Little's law: a node holds a connection for about one idle timeout per delivery.
-    expect_k = 1000 * schedule.deliveries_per_node() * schedule.idle_timeout
+    # Little's law: a node holds a connection for about one idle timeout (PostgreSQL) or
+    # keep-alive (OTLP) per delivery.
     c = f["compress"]
     group = f"fleet {nodes} {sink}"
+    pg = sink == "postgres"
+    # PostgreSQL: one transaction per delivery, held for POSTGRES_IDLE_TIMEOUT (compressed);
+    # OTLP: one POST per delivery on a connection kept alive 15 s (compressed)
+    per_delivery, unit, done = (
+        ("transactions", "tx/s", "commit") if pg else ("requests", "req/s", "2xx answer")
+    )
+    limit = f["max_connections"]
+    limit_note = f"server max_connections {limit}" if limit is not None else "server sets no limit"
+    held = schedule.idle_timeout if pg else KEEPALIVE
+    arithmetic = f" (arithmetic: {1000 * schedule.deliveries_per_node() * held:.0f})"
     return [
         Row(
             group,
@@ -257,7 +282,7 @@ def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: fl
             f["start_peak"],
             "conns",
             f"{f['start_peak'] * per_k:.0f} per 1,000 nodes; all start within "
-            f"{schedule.start_window:.0f} s; server max_connections {f['max_connections']}; "
+            f"{schedule.start_window:.0f} s; {limit_note}; "
             f"{f['start_failures']:.0f} attempts refused or failed; time compressed {c:.0f}x",
         ),
         Row(
@@ -272,19 +297,19 @@ def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: fl
             "connections steady, mean",
             f["steady_mean"],
             "conns",
-            f"{f['steady_mean'] * per_k:.1f} per 1,000 nodes (arithmetic: {expect_k:.0f})",
+            f"{f['steady_mean'] * per_k:.1f} per 1,000 nodes{arithmetic}",
         ),
         Row(
             group,
-            "transactions/s (fleet time)",
+            f"{per_delivery}/s (fleet time)",
             f["tx_per_s"],
-            "tx/s",
+            unit,
             f"{f['tx_per_s'] * per_k:.2f} per 1,000 nodes (arithmetic: "
             f"{1000 * schedule.deliveries_per_node():.2f})",
         ),
         Row(
             group,
-            "delivery p99, emission to commit",
+            f"delivery p99, emission to {done}",
             f["p99"] or 0,
             "s",
             f"wall s, FLUSH_INTERVAL compressed to {schedule.flush_interval / c:.2f} s",
@@ -309,7 +334,7 @@ def _rows(nodes: int, schedule: Schedule, sink: str, f: dict[str, Any], took: fl
             "records lost",
             f["lost"],
             "records",
-            f"of {f['emitted']:,} emitted; failed attempts by type {f['failures'] or 'none'}; "
-            f"{took:.0f} s",
+            f"of {f['emitted']:,} emitted; {f['spooled']} more in the spools when every node "
+            f"stopped at once; failed attempts by type {f['failures'] or 'none'}; {took:.0f} s",
         ),
     ]

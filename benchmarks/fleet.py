@@ -10,7 +10,7 @@ seconds, and the server carries `compress` times the fleet's real load.
 
 Sinks are pluggable (`Sink`): each node runs one worker per sink (as the agent's pipeline does),
 every sink gets every record, and each sink's figures are rows of their own; another backend
-(an OTLP receiver) adds a class with the same methods to the bench's list.
+adds a class with the same methods to the bench's list (PostgreSQL and an OTLP receiver).
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ class Sink(Protocol):
     async def stop_server(self) -> None: ...
     async def start_server(self) -> None: ...
     async def latency_p99(self, since: datetime) -> float | None: ...
-    async def max_connections(self) -> int: ...
+    async def max_connections(self) -> int | None:
+        """The server's connection limit (None: it sets none)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import signal
 import ssl
 import sys
 import time
@@ -21,6 +22,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -161,6 +163,17 @@ class Request:
         return [str(log.attributes.get("gpuid.record.id", "")) for log in self.logs]
 
 
+def _emitted_nanos(log: Log) -> int:
+    """An allocation's LogRecord has no time (it has no read_time): its event's time, from
+    the body (an end's ended_at, a start's started_at)."""
+    try:
+        record = log.record
+        moment = datetime.fromisoformat(record.get("ended_at") or record["started_at"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return int(moment.timestamp() * 1e9)
+
+
 def status_body(code: int, message: str) -> bytes:
     """A `google.rpc.Status` by hand (code = field 1, message = field 2), as a collector sends;
     the proto package has no Status type."""
@@ -183,6 +196,9 @@ class OtlpReceiver:
         self._ssl = ssl_context
         self._keep = keep
         self._accepted: set[str] = set()
+        self._order: list[str] = []  # accepted ids in arrival order, for /ids?after=N
+        # (record time, seconds from it to acceptance) of accepted records, for /p99
+        self.lags: list[tuple[int, float]] = []
         self.requests: list[Request] = []
         self.malformed = 0
         self.metric_pushes: list[list[Point]] = []  # accepted pushes
@@ -232,7 +248,13 @@ class OtlpReceiver:
         )
         entry.status = answer.status
         if 200 <= answer.status < 300:
-            self._accepted.update(entry.record_ids)
+            now = time.time_ns()
+            for log, record_id in zip(entry.logs, entry.record_ids, strict=True):
+                if record_id not in self._accepted:
+                    self._accepted.add(record_id)
+                    self._order.append(record_id)
+                at = log.time_unix_nano or _emitted_nanos(log)
+                self.lags.append((at, (now - at) / 1e9))
         if not self._keep:
             entry.logs = []
         self.changed.set()
@@ -269,13 +291,29 @@ class OtlpReceiver:
         return web.Response(body=response.SerializeToString(), content_type=PROTOBUF)
 
     async def _count(self, request: web.Request) -> web.Response:
-        return web.json_response({"records": len(self._accepted)})
+        server = self._runner.server if self._runner is not None else None
+        connections = len(server.connections) if server is not None else 0
+        return web.json_response({"records": len(self._accepted), "connections": connections})
+
+    async def _ids(self, request: web.Request) -> web.Response:
+        """Accepted record ids from the `after`-th on (a poller fetches only what is new)."""
+        after = int(request.query.get("after", "0"))
+        return web.json_response(self._order[after:])
+
+    async def _p99(self, request: web.Request) -> web.Response:
+        """p99 of record time to acceptance, over records timed at or after `since` (ns)."""
+        since = int(request.query.get("since", "0"))
+        lags = sorted(lag for at, lag in self.lags if at >= since)
+        p99 = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None
+        return web.json_response({"p99": p99, "records": len(lags)})
 
     async def start(self, port: int = 0) -> str:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/logs", self._handle)
         app.router.add_post("/v1/metrics", self._handle)
         app.router.add_get("/count", self._count)
+        app.router.add_get("/ids", self._ids)
+        app.router.add_get("/p99", self._p99)
         # Decompressing here (not in aiohttp) lets tests see the size on the wire and a bad
         # gzip stream answered as a collector does, with 400.
         self._runner = web.AppRunner(app, access_log=None, auto_decompress=False)
@@ -308,10 +346,23 @@ class OtlpReceiver:
 
 
 def main(port: int) -> None:
-    """The receiver in its own process (the benchmarks'); GET /count answers what it took."""
+    """The receiver in its own process (the benchmarks'); GET /count answers what it took.
+    SIGUSR1 stops listening (an outage: the socket and every connection close, what was
+    taken is kept), SIGUSR2 listens again on the same port."""
 
     async def run() -> None:
-        await OtlpReceiver(keep=False).start(port)
+        receiver = OtlpReceiver(keep=False)
+        await receiver.start(port)
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task[Any]] = set()
+
+        def later(action: Callable[[], Any]) -> None:
+            task = loop.create_task(action())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        loop.add_signal_handler(signal.SIGUSR1, later, receiver.stop)
+        loop.add_signal_handler(signal.SIGUSR2, later, lambda: receiver.start(port))
         await asyncio.Event().wait()
 
     asyncio.run(run())
