@@ -1,4 +1,4 @@
-"""Project automation: `nox -s tests`, `lint`, `bench`, `docs`, `sbom`, `proto`."""
+"""Project automation: `nox -s lint tests` (what CI runs), `bench`, `docs`, `sbom`, `proto`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["lint", "tests"]
+# A module holds one role; past this many lines it has taken on a second one (generated
+# gRPC stubs excepted). Checked by `nox -s lint`.
+MODULE_LINE_LIMIT = 400
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -19,12 +22,28 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff, mypy --strict on the package, and the import-linter layering contracts."""
+    """ruff (check and format), mypy --strict on the package, the import-linter layering
+    contracts and the module size limit."""
     session.install("-e", ".[lint]")
     session.run("ruff", "check", "gpuid_agent", "tests", "noxfile.py", "benchmarks")
     session.run("ruff", "format", "--check", "gpuid_agent")
     session.run("mypy", "--strict", "gpuid_agent")
     session.run("lint-imports")
+    oversized = oversized_modules(Path("gpuid_agent"))
+    if oversized:
+        session.error(f"modules over {MODULE_LINE_LIMIT} lines: {', '.join(oversized)}")
+
+
+def oversized_modules(package: Path) -> list[str]:
+    """Modules of the package longer than MODULE_LINE_LIMIT lines, generated stubs excepted."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "_pb2" in path.name:
+            continue
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MODULE_LINE_LIMIT:
+            found.append(f"{path} ({lines})")
+    return found
 
 
 @nox.session

@@ -11,7 +11,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from gpuid_agent.docs import _own_metrics_rows, describe_default
+from gpuid_agent.docs import describe_default, own_metrics_rows
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.config_checks import UNUSED_GPUID_SETTINGS
 from tests.servers.postgres import PostgresCluster
@@ -63,7 +63,7 @@ def test_variables_table_states_the_real_defaults_and_every_difference() -> None
 def _declared_metrics() -> dict[str, set[str]]:
     """Series name → label names, as the metrics reference's generator reads them."""
     declared: dict[str, set[str]] = {}
-    for row in _own_metrics_rows():
+    for row in own_metrics_rows():
         series, _kind, labels, _doc = _table("| h |\n| - |\n" + row)[0]
         declared[_unquote(series)] = set(re.findall(r"`(\w+)`", labels))
     return declared

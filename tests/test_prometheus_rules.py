@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuid_agent.docs import _wrappers
+from gpuid_agent.docs import metric_wrappers
 from gpuid_agent.node.labels.policy import REASONS
 from gpuid_agent.runtime.metrics import COLLECTION_ERROR_REASONS, DROP_REASONS, AgentMetrics
 from gpuid_agent.serving.metrics_fields import metric_names
@@ -136,7 +136,7 @@ def input_series() -> Iterator[tuple[str, str]]:
 
 def test_unit_tests_use_series_the_agent_emits() -> None:
     """Names, label names and label values as the agent exposes them (a rename breaks this)."""
-    wrappers = _wrappers(AgentMetrics())
+    wrappers = metric_wrappers(AgentMetrics())
     exposed = {
         wrapper._name + ("_total" if wrapper._type == "counter" else ""): set(wrapper._labelnames)
         for wrapper in wrappers.values()
