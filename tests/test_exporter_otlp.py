@@ -21,6 +21,7 @@ from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord, HealthRe
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.setup.delivery import make_exporters
 from tests.exporter_support import eventually, readings
 from tests.servers.otlp import Answer, OtlpReceiver
 from tests.servers.tls import make_ca_and_server
@@ -328,7 +329,7 @@ async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
             "otel_exporter_otlp_certificate": str(ca),
         }
     )
-    trusting = OtlpExporter.from_settings(settings)
+    (trusting,) = make_exporters(settings)
     default = OtlpExporter(server.url)
     try:
         await trusting.export(readings(1))
