@@ -22,19 +22,20 @@ import aiohttp
 
 from benchmarks.fleet import Expected, Schedule
 from gpuid_agent.delivery.exporters.base import Exporter
-from gpuid_agent.delivery.exporters.otlp.transport import USER_AGENT, OtlpHttp
+from gpuid_agent.delivery.exporters.otlp.endpoint import REFUSALS
+from gpuid_agent.delivery.exporters.transport import USER_AGENT, HttpTransport
 from tests.servers.postgres import free_port
 
 KEEPALIVE = 15.0  # aiohttp's keep-alive of an idle client connection (seconds)
 
 
-class _CompressedKeepAlive(OtlpHttp):
+class _CompressedKeepAlive(HttpTransport):
     """The exporter's transport with aiohttp's keep-alive divided by the fleet's compression,
     as every other schedule is: uncompressed, a node delivering every few fleet-minutes would
     hold its connection for a few wall seconds only; compressed without this, for ever."""
 
     def __init__(self, endpoint: str, keepalive: float) -> None:
-        super().__init__(endpoint, timeout=30.0)
+        super().__init__(endpoint, refusals=REFUSALS, timeout=30.0)
         self.keepalive = keepalive
 
     def _client(self) -> aiohttp.ClientSession:
@@ -87,7 +88,7 @@ class OtlpSink:
         from gpuid_agent.delivery.exporters.otlp import OtlpExporter
 
         exporter = OtlpExporter(f"{self.base}/v1/logs", timeout=30.0)
-        exporter.http = _CompressedKeepAlive(exporter.endpoint, KEEPALIVE / compress)
+        exporter.http.transport = _CompressedKeepAlive(exporter.endpoint, KEEPALIVE / compress)
         return exporter
 
     async def connections(self) -> int | None:

@@ -19,7 +19,6 @@ from aiohttp import web
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import Exporter
-from gpuid_agent.delivery.factory import build_delivery
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.conditions import NodeConditionWriter
 from gpuid_agent.node.labels.service import NodeLabelling
@@ -36,6 +35,7 @@ from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.app import build_app
 from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.serving.status_page import StatusPage
+from gpuid_agent.setup.delivery import build_delivery, otlp_metrics_push
 from gpuid_agent.simulate.environment import node_environment
 from gpuid_agent.sources.kube.client import KubeClient, open_shared_client, request_counter
 from gpuid_agent.sources.nvml.api import NvmlApi
@@ -46,7 +46,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
 
 if TYPE_CHECKING:
-    from gpuid_agent.serving.otlp_push import OtlpMetricsPush
+    from gpuid_agent.delivery.otlp_metrics import OtlpMetricsPush
 
 _log = log.get("agent")
 
@@ -99,11 +99,10 @@ class Agent:
         )  # fmt: skip
         self.health, self.xid = self.collector.health, self.collector.health.xid
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
-        self.otlp_metrics: OtlpMetricsPush | None = None
-        if s.otel_metrics_exporter == "otlp":  # opentelemetry-proto is loaded only then
-            from gpuid_agent.serving.otlp_push import OtlpMetricsPush
-
-            self.otlp_metrics = OtlpMetricsPush(s, self.renderer.families, self.metrics)
+        # None unless OTEL_METRICS_EXPORTER=otlp: only then is opentelemetry-proto loaded
+        self.otlp_metrics: OtlpMetricsPush | None = otlp_metrics_push(
+            s, self.renderer.families, self.metrics
+        )
         self.emitter = ReadingEmitter(
             source=self.source, heartbeat_interval=s.heartbeat_interval,
             publish=self.pipeline.publish,

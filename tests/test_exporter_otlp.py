@@ -21,6 +21,7 @@ from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord, HealthRe
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.setup.delivery import make_exporters
 from tests.exporter_support import eventually, readings
 from tests.servers.otlp import Answer, OtlpReceiver
 from tests.servers.tls import make_ca_and_server
@@ -317,6 +318,34 @@ async def test_header_values_echoed_by_the_receiver_are_redacted(
     assert "token <redacted> unknown" in str(info.value)
 
 
+async def test_endpoint_credentials_echoed_by_the_receiver_are_redacted(
+    make: Factory, otlp_receiver: OtlpReceiver
+) -> None:
+    """The same scrubbing as the HTTP exporter's: the URL's user, password and query values,
+    and the Basic credentials sent from them, never reach an error."""
+    otlp_receiver.decide = lambda req: Answer(
+        400, message=f"bad auth {req.headers.get('Authorization')} for api_key=qu3ry-k3y"
+    )
+    endpoint = otlp_receiver.url.replace("://", "://otlp-user:pa55-w0rd@") + "?api_key=qu3ry-k3y"
+    with pytest.raises(ExportError) as info:
+        await make(endpoint=endpoint).export(readings(1))
+    basic = otlp_receiver.requests[0].headers["Authorization"]
+    assert basic.startswith("Basic ")  # it was sent
+    message = str(info.value)
+    assert not info.value.retryable
+    for secret in ("otlp-user", "pa55-w0rd", "qu3ry-k3y", basic.removeprefix("Basic ")):
+        assert secret not in message
+    assert "bad auth Basic <redacted> for api_key=<redacted>" in message
+
+
+async def test_an_unusable_ca_file_is_a_tls_error_naming_it(make: Factory, tmp_path: Path) -> None:
+    missing = tmp_path / "gone.pem"
+    with pytest.raises(ExportError) as info:
+        await make(ca_file=str(missing)).export(readings(1))
+    assert (info.value.error_type, info.value.retryable) == ("tls", True)
+    assert str(missing) in str(info.value)
+
+
 async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
     ca, server_context = make_ca_and_server(tmp_path)
     server = OtlpReceiver(ssl_context=server_context)
@@ -328,7 +357,7 @@ async def test_certificate_setting_trusts_a_private_ca(tmp_path: Path) -> None:
             "otel_exporter_otlp_certificate": str(ca),
         }
     )
-    trusting = OtlpExporter.from_settings(settings)
+    (trusting,) = make_exporters(settings)
     default = OtlpExporter(server.url)
     try:
         await trusting.export(readings(1))

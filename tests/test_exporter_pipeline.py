@@ -219,7 +219,7 @@ async def test_shutdown_keeps_undelivered_batches_in_the_spool(
 def test_unused_exporters_libraries_are_not_imported() -> None:
     script = """
 import sys
-from gpuid_agent.delivery.factory import make_exporters
+from gpuid_agent.setup.delivery import make_exporters
 from gpuid_agent.runtime.config import Settings
 chosen = sys.argv[1]
 extra = {"http": {"http_endpoint": "http://127.0.0.1:1/x"}, "postgres": {"postgres_host": "h"},

@@ -18,6 +18,7 @@ from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.setup.delivery import make_exporters
 from tests.exporter_support import eventually, readings
 from tests.servers.postgres import PostgresCluster
 
@@ -98,7 +99,8 @@ def test_settings_name_the_node_and_the_idle_timeout(monkeypatch: pytest.MonkeyP
     }.items():
         monkeypatch.setenv(name, value)
     settings = load_settings()
-    sink = PostgresExporter.from_settings(settings)
+    (sink,) = make_exporters(settings)
+    assert isinstance(sink, PostgresExporter)
     assert sink.idle_timeout == 5.0
     assert sink.application_name == "gpuid-agent gpu-node-7"
 

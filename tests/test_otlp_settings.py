@@ -20,6 +20,7 @@ from gpuid_agent.runtime.otel_env import (
     parse_headers,
     parse_key_values,
 )
+from gpuid_agent.setup.delivery import make_exporters
 from tests.chart_render import agent_container, render
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -94,7 +95,7 @@ def test_header_parser_takes_any_input(text: str) -> None:
         assert key.lower() not in RESERVED_HEADERS
 
 
-def test_from_settings_resolves_the_logs_signal_first() -> None:
+def test_the_logs_signal_settings_come_first() -> None:
     settings = load_settings(
         {
             "exporter_type": "otlp",
@@ -107,7 +108,8 @@ def test_from_settings_resolves_the_logs_signal_first() -> None:
             "otel_resource_attributes": "deployment.environment.name=prod%20east",
         }
     )
-    exporter = OtlpExporter.from_settings(settings)
+    (exporter,) = make_exporters(settings)
+    assert isinstance(exporter, OtlpExporter)
     assert exporter.endpoint == "http://127.0.0.1:4318/v1/logs"
     assert exporter.http.headers == {"a": "1", "b": "3"}
     assert exporter.http.timeout == 2.5
@@ -120,7 +122,8 @@ def test_from_settings_resolves_the_logs_signal_first() -> None:
             "otel_exporter_otlp_logs_timeout": 100,
         }
     )
-    exporter = OtlpExporter.from_settings(logs)
+    (exporter,) = make_exporters(logs)
+    assert isinstance(exporter, OtlpExporter)
     assert (exporter.endpoint, exporter.http.timeout, exporter.http.headers) == (
         "http://127.0.0.1:9/x",
         0.1,

@@ -26,14 +26,12 @@ from gpuid_agent.delivery.exporters.base import (
     excerpt,
 )
 from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
-from gpuid_agent.delivery.exporters.otlp.transport import OtlpHttp
+from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.otel_env import logs_endpoint, parse_headers, parse_key_values
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from gpuid_agent.runtime.config import Settings
     from gpuid_agent.runtime.metrics import AgentMetrics
 
 _OFF_LOOP_RECORDS = 500  # encode and compress bigger batches in a worker thread
@@ -54,7 +52,7 @@ class OtlpExporter(Exporter):
         ca_file: str = "",
         resource_attributes: Mapping[str, str] | None = None,
     ) -> None:
-        self.http = OtlpHttp(
+        self.http = OtlpEndpoint(
             endpoint, headers=headers, timeout=timeout, compression=compression, ca_file=ca_file
         )
         self._resource = dict(resource_attributes or {})
@@ -64,25 +62,6 @@ class OtlpExporter(Exporter):
     @property
     def endpoint(self) -> str:
         return self.http.endpoint
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> OtlpExporter:
-        """The logs signal's settings win over the general ones; headers of both apply."""
-        headers = parse_headers(settings.otel_exporter_otlp_headers.get_secret_value())
-        headers.update(parse_headers(settings.otel_exporter_otlp_logs_headers.get_secret_value()))
-        timeout_ms = settings.otel_exporter_otlp_logs_timeout or settings.otel_exporter_otlp_timeout
-        return cls(
-            logs_endpoint(
-                settings.otel_exporter_otlp_endpoint, settings.otel_exporter_otlp_logs_endpoint
-            ),
-            headers=headers,
-            timeout=timeout_ms / 1000.0,
-            compression=settings.otel_exporter_otlp_logs_compression
-            or settings.otel_exporter_otlp_compression,
-            ca_file=settings.otel_exporter_otlp_logs_certificate
-            or settings.otel_exporter_otlp_certificate,
-            resource_attributes=parse_key_values(settings.otel_resource_attributes),
-        )
 
     def bind_metrics(self, metrics: AgentMetrics) -> None:
         self._rejected = metrics.export_rejected_records.labels(self.name)

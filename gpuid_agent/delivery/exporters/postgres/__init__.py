@@ -38,7 +38,6 @@ from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from gpuid_agent.runtime.config import Settings
     from gpuid_agent.runtime.metrics import AgentMetrics
 
 __all__ = ["PostgresExporter", "Tables"]
@@ -146,27 +145,6 @@ class PostgresExporter(Exporter):
         self._discarded: Counter | None = None
         self.discarded_records = 0
         self._constraint_logged = False
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> PostgresExporter:
-        return cls(
-            host=settings.postgres_host,
-            port=settings.postgres_port,
-            database=settings.postgres_db,
-            user=settings.postgres_user,
-            password=settings.postgres_password.get_secret_value(),
-            sslmode=settings.postgres_sslmode,
-            tables=Tables.named(
-                settings.postgres_table,
-                settings.postgres_allocations_table,
-                settings.postgres_events_table,
-            ),
-            auto_migrate=settings.postgres_auto_migrate,
-            timeout=settings.timeout,
-            idle_timeout=settings.postgres_idle_timeout,
-            # which node holds a connection, for whoever reads pg_stat_activity
-            application_name=f"gpuid-agent {settings.effective_node_name()}",
-        )
 
     def bind_metrics(self, metrics: AgentMetrics) -> None:
         self._discarded = metrics.discarded_records.labels(self.name, "constraint")

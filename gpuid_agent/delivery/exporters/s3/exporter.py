@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
@@ -19,9 +19,6 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
 from gpuid_agent.delivery.exporters.s3.layout import Layout, S3Object, key_part
 from gpuid_agent.runtime.errors import ExportError
-
-if TYPE_CHECKING:
-    from gpuid_agent.runtime.config import Settings
 
 # Content problems S3 will never accept; anything else (auth, bucket, throttling) may heal.
 _REJECTING_CODES = frozenset({"EntityTooLarge", "InvalidDigest", "BadDigest", "InvalidArgument"})
@@ -53,21 +50,6 @@ class S3Exporter(Exporter):
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
         self._lock = asyncio.Lock()
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> S3Exporter:
-        return cls(
-            settings.s3_bucket,
-            prefix=settings.s3_prefix,
-            region=settings.s3_region,
-            partition_pattern=settings.s3_partition_pattern,
-            endpoint_url=settings.s3_endpoint_url,
-            path_style=settings.s3_path_style,
-            fmt=settings.s3_format,
-            csv_header=settings.s3_csv_header,
-            gzip_objects=settings.s3_gzip,
-            timeout=settings.timeout,
-        )
 
     async def _client(self) -> Any:
         async with self._lock:

@@ -5,6 +5,9 @@ Every `OTEL_METRIC_EXPORT_INTERVAL` the newest snapshot's families — the very 
 closes at shutdown. Telemetry is a current value, not a record: nothing is spooled or retried
 within an interval; a failed push is counted and logged (once per outage) and the next one
 carries fresh values. A Retry-After from the receiver skips pushes until it has passed.
+
+The families come from the wiring root (the renderer's, so delivery never imports serving),
+and so does the endpoint with the settings of the metrics signal.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -22,13 +25,11 @@ from prometheus_client.metrics_core import Metric
 
 from gpuid_agent.delivery.exporters.base import excerpt
 from gpuid_agent.delivery.exporters.otlp.encode import resource
+from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
 from gpuid_agent.delivery.exporters.otlp.metrics import encode_metrics
-from gpuid_agent.delivery.exporters.otlp.transport import OtlpHttp
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from gpuid_agent.runtime.otel_env import parse_headers, parse_key_values, signal_endpoint
 from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.snapshot import NodeSnapshot
 
@@ -39,20 +40,19 @@ Families = Callable[[NodeSnapshot], list[Metric]]
 
 
 class OtlpMetricsPush:
-    def __init__(self, settings: Settings, families: Families, metrics: AgentMetrics) -> None:
-        s = settings
-        self.http = OtlpHttp(
-            signal_endpoint(
-                s.otel_exporter_otlp_endpoint, s.otel_exporter_otlp_metrics_endpoint, "metrics"
-            ),
-            headers=parse_headers(s.otel_exporter_otlp_headers.get_secret_value()),
-            timeout=s.otel_exporter_otlp_timeout / 1000.0,
-            compression=s.otel_exporter_otlp_compression,
-            ca_file=s.otel_exporter_otlp_certificate,
-        )
-        self.interval = s.otel_metric_export_interval / 1000.0
+    def __init__(
+        self,
+        endpoint: OtlpEndpoint,
+        families: Families,
+        metrics: AgentMetrics,
+        *,
+        interval: float,
+        resource_attributes: Mapping[str, str] | None = None,
+    ) -> None:
+        self.http = endpoint
+        self.interval = interval  # seconds
         self._families = families
-        self._extra_resource = parse_key_values(s.otel_resource_attributes)
+        self._extra_resource = dict(resource_attributes or {})
         self._metrics = metrics
         self._started_ns = time.time_ns()
         self._latest: NodeSnapshot | None = None
