@@ -18,8 +18,8 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sources.nvml.api import PynvmlApi
 from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker

@@ -19,7 +19,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.kube.client import create_kube_client
 from gpuid_agent.sources.kube.pods import PodCache
-from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig

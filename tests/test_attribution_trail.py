@@ -22,7 +22,7 @@ from gpuid_agent.records.allocations import (
 )
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
-from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml

@@ -5,15 +5,16 @@ an API without resource.k8s.io; and hostile slice objects."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache, slice_devices
@@ -213,11 +214,39 @@ def test_older_pool_generations_are_ignored() -> None:
     cache = ResourceSliceCache(NODE)
     old = objects.resource_slice("a", NODE, [objects.gpu_device("gpu-0", "GPU-old")], generation=1)
     new = objects.resource_slice("b", NODE, [objects.gpu_device("gpu-0", "GPU-new")], generation=2)
-    cache._apply_list({"items": [old, new], "metadata": {"resourceVersion": "5"}})
+    cache.load([old, new], "a simulated node")
     found = cache.lookup(GPU, NODE, "gpu-0")
     assert found is not None and found.uuid == "GPU-new"
 
 
+@pytest.mark.parametrize("running", [("v1",)], indirect=True)
+async def test_a_refused_resource_version_is_dropped_for_a_fresh_list(
+    running: tuple[FakeKube, ResourceSliceCache],
+) -> None:
+    kube, cache = running
+    kube.create(node_slice("v1"))
+    await eventually(lambda: cache.available and kube.open_watches == 1)
+    lists = kube.count("list", status=200)
+    # a string resourceVersion the server then refuses (400) on the resumed watch
+    odd = {"metadata": {"name": "odd", "resourceVersion": "not-a-version"}}
+    kube.send_raw(json.dumps({"type": "ADDED", "object": odd}).encode(), "resourceslices")
+    await eventually(lambda: cache.status()["resource_version"] == "not-a-version")
+    kube.close_watches()
+    await eventually(lambda: kube.count("watch", status=400) >= 1)
+    await eventually(lambda: kube.count("list", status=200) > lists and cache.available)
+    await real_change_arrives(kube, cache)
+
+
+async def real_change_arrives(kube: FakeKube, cache: ResourceSliceCache) -> None:
+    """A slice created now is followed, and so are the slices before it."""
+    name = f"gpu-{next(_serial)}"
+    kube.create(objects.resource_slice(f"{NODE}-{name}", NODE, [objects.gpu_device(name, "GPU-1")]))
+    await eventually(lambda: cache.available and cache.lookup(GPU, NODE, name) is not None)
+    assert cache.lookup(GPU, NODE, "gpu-0") is not None
+    assert cache.board.is_ok(cache_component())
+
+
+_serial = itertools.count(100)  # device names unique across hypothesis examples on one server
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=20),
     lambda inner: (
@@ -263,12 +292,55 @@ def test_hostile_slices_never_raise(obj: Any) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(json_values | st.fixed_dictionaries({"type": json_values, "object": json_values})))
-def test_hostile_watch_events_and_lists_are_survived(events: list[Any]) -> None:
+def test_hostile_lists_are_survived(items: list[Any]) -> None:
     cache = ResourceSliceCache(NODE)
-    cache._apply_list({"items": events, "metadata": events[0] if events else None})
-    for event in events:
-        try:
-            cache._event(event)
-        except KubeApiError:
-            assert isinstance(event, dict) and event.get("type") == "ERROR"
-    assert all(d.driver == GPU for d in cache._index.values())
+    cache.load(items, "a hostile node")
+    assert all(d.driver == GPU for d in cache.devices())
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    async with FakeKube(resource_versions=("v1",)) as server:
+        server.create(node_slice("v1"))
+        yield server
+
+
+watch_events = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"])
+        | json_values,
+        "object": st.fixed_dictionaries(
+            {"metadata": st.fixed_dictionaries({"name": json_values}) | json_values},
+            optional={"spec": json_values, "code": json_values, "message": json_values},
+        )
+        | json_values,
+    }
+)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(lines=st.lists(watch_events | json_values, min_size=1, max_size=6))
+async def test_hostile_watch_events_are_survived(
+    kube: FakeKube, tmp_path: Path, lines: list[Any]
+) -> None:
+    client = await client_for(kube, tmp_path)
+    cache = ResourceSliceCache(NODE, board=StatusBoard(), watch_timeout=30, backoff_max=0.05)
+    assert cache.open(client)
+    watches = kube.count("watch", status=200)
+    task = asyncio.create_task(cache.run())
+    try:
+        await eventually(lambda: cache.available and kube.count("watch", status=200) > watches)
+        for line in lines:
+            kube.send_raw(json.dumps(line).encode(), "resourceslices")
+        await real_change_arrives(kube, cache)
+        assert not task.done()
+        assert all(d.driver == GPU for d in cache.devices())
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
+        kube.close_watches()

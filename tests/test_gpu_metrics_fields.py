@@ -23,7 +23,8 @@ from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
-from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.nvml.api import NvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.reader import NvmlReader
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import attribute

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.serving import gpu_metrics
-from gpuid_agent.sources.nvml.api import PynvmlApi
 from gpuid_agent.sources.nvml.health import HealthReader
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml

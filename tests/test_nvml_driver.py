@@ -13,7 +13,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.errors import NvmlUnavailableError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.sources.nvml.api import PLATFORM_INFO_V2, parse_platform_info
+from gpuid_agent.sources.nvml.pynvml_api import PLATFORM_INFO_V2, parse_platform_info
 
 
 def _raw(chassis: bytes, guid: bytes = b"\0" * 16, tail: bytes = b"\x07\x03\x01\x00\x02") -> bytes:

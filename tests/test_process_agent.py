@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.nvml.api import PynvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig

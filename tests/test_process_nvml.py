@@ -11,9 +11,9 @@ import time
 import pytest
 
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.sources.nvml.api import PynvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.processes import GpuProcesses, ProcessInfo, ProcessReader
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from tests import fakenvml
 from tests.fakenvml import FakeProcess, FakeProcessUtil

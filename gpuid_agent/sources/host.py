@@ -10,7 +10,8 @@ from typing import Any, Protocol
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.machine import local_machine_id
-from gpuid_agent.sources.nvml.api import NvmlApi, PynvmlApi
+from gpuid_agent.sources.nvml.api import NvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 
 
 class NodeEnvironment(Protocol):

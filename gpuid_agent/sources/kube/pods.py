@@ -14,24 +14,21 @@ leaves the cached pods in place.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-import aiohttp
 from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.metrics import AttributionMetrics
-from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, watch_events
-from gpuid_agent.sources.kube.client import request_json as _json
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.list_watch import ListWatch, failure_reason, list_version
 from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
 
 _log = log.get("pods")
@@ -110,17 +107,25 @@ class PodCache:
         self.registry = self._metrics.registry
         self._mode = mode
         self._timeout = timeout
-        self._watch_timeout = watch_timeout
-        self._backoff_max = backoff_max
         self._client_factory = client_factory
         self._client: KubeClient | None = None
         self._owns_client = True
+        self._core: Any = None  # CoreV1Api and the owner walker over the client, from run()
+        self._owners: OwnerResolver | None = None
+        self._follow = ListWatch(
+            "pod",
+            node,
+            self,
+            logger=_log,
+            timeout=timeout,
+            watch_timeout=watch_timeout,
+            backoff_max=backoff_max,
+        )
         self._pods: dict[tuple[str, str], PodMeta] = {}
         self._raw_owner: dict[tuple[str, str], Any] = {}
         self._deleted: dict[tuple[str, str], tuple[PodMeta, float]] = {}
         self._by_uid: dict[str, PodMeta] | None = None  # from the two above; None: rebuild
         self._ready = False
-        self.resource_version: str | None = None
         self.last_error: str | None = None
 
     # ---- what consumers read ---------------------------------------------------------------
@@ -146,6 +151,11 @@ class PodCache:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def resource_version(self) -> str | None:
+        """Where the watch resumes; None until listed (or while a list is due)."""
+        return self._follow.resource_version
 
     def status(self) -> dict[str, Any]:
         return {
@@ -187,52 +197,16 @@ class PodCache:
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
-        core = k8s.CoreV1Api(self._client.api)
-        owners = OwnerResolver(
+        self._core = k8s.CoreV1Api(self._client.api)
+        self._owners = OwnerResolver(
             self._client.api, timeout=min(self._timeout, 5.0), metrics=self._metrics
         )
-        backoff = Backoff(base=1.0, cap=self._backoff_max)
-        while True:
-            try:
-                if self.resource_version is None:
-                    await self._relist(core, owners)
-                started = time.monotonic()
-                await self._watch(core, owners)
-                backoff.reset()
-                if time.monotonic() - started < 1.0:
-                    await asyncio.sleep(1.0)  # a server ending every watch at once: no spin
-            except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                if isinstance(exc, KubeApiError) and exc.status == 410:
-                    _log.info("pod watch expired; listing again")
-                    self.resource_version = None
-                    continue
-                if isinstance(exc, KubeApiError) and exc.status == 400:
-                    self.resource_version = None  # a resourceVersion the server refuses
-                self._failed(exc)
-                await asyncio.sleep(backoff.next())
+        await self._follow.run()
 
-    def _failed(self, exc: Exception) -> None:
-        status = getattr(exc, "status", 0)
-        why = {401: "unauthorized", 403: "forbidden (RBAC: list/watch pods)"}.get(
-            status, f"{type(exc).__name__}: {exc}"
-        )
-        self.last_error = str(exc)
-        if not self._ready:
-            self.no_api(why)  # do not hold the allocation trail back
-        elif self.board.set(COMPONENT, "degraded", f"{why}; serving the cached pods"):
-            _log.warning("pod cache degraded", extra={"error": str(exc)[:300]})
+    # ---- what the list+watch loop hands over -----------------------------------------------
 
-    # ---- list and watch --------------------------------------------------------------------
-
-    def _selector(self) -> str:
-        return f"spec.nodeName={self.node}"
-
-    async def _relist(self, core: Any, owners: OwnerResolver) -> None:
-        listed = await _json(
-            core.list_pod_for_all_namespaces,
-            field_selector=self._selector(),
-            request_timeout=self._timeout,
-        )
+    async def relist(self, lister: ListWatch) -> str:
+        listed = await lister.list(self._core.list_pod_for_all_namespaces)
         self._metrics.pod_cache_relists.inc()
         items = listed.get("items") if isinstance(listed, Mapping) else None
         if not isinstance(items, list):
@@ -240,74 +214,53 @@ class PodCache:
             raise KubeApiError(0, "the pod list reply is not a PodList")
         pods: dict[tuple[str, str], PodMeta] = {}
         for raw in items:
-            meta = await self._meta(raw, owners)
+            meta = await self._meta(raw)
             if meta is None:
-                self._malformed("pod list item without a name and namespace")
+                self.malformed("pod list item without a name and namespace")
             else:
                 pods[(meta.namespace, meta.name)] = meta
         for key in self._pods.keys() - pods.keys():
             self._tombstone(key)
         self._pods = pods
         self._by_uid = None
-        self.resource_version = _resource_version(listed) or ""
         self._metrics.pod_cache_pods.set(len(pods))
         self._ready = True
         self.last_error = None
         self.board.set(COMPONENT, "ok")
         self.changed.set()
+        return list_version(listed)
 
-    async def _watch(self, core: Any, owners: OwnerResolver) -> None:
-        """Follow events until the server ends the watch (then resume from the last
-        resourceVersion); a 410 raises KubeApiError(410) and the caller lists again."""
-        resp = await core.list_pod_for_all_namespaces(
-            field_selector=self._selector(),
-            watch=True,
-            resource_version=self.resource_version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=int(self._watch_timeout),
-            _preload_content=False,
-            _request_timeout=self._watch_timeout + self._timeout,
-        )
-        async with contextlib.aclosing(watch_events(resp, "pod", self._malformed)) as events:
-            async for event in events:
-                await self._event(event, owners)
-
-    async def _event(self, event: Any, owners: OwnerResolver) -> None:
-        """Apply one watch event; a malformed one is counted, logged and skipped."""
-        obj = event.get("object") if isinstance(event, Mapping) else None
-        if not isinstance(obj, Mapping):
-            self._malformed("pod watch event without an object")
-            return
-        kind = event.get("type")
-        if kind == "ERROR":
-            code = obj.get("code")
-            status = code if isinstance(code, int) and not isinstance(code, bool) else 0
-            raise KubeApiError(status, str(obj.get("message"))[:200])
-        if kind in ("ADDED", "MODIFIED"):
-            meta = await self._meta(obj, owners)
-            if meta is None:
-                self._malformed(f"pod {kind} event without a name and namespace")
-            elif self._pods.get(key := (meta.namespace, meta.name)) != meta:
-                self._pods[key] = meta
-                self._by_uid = None
-                self._deleted.pop(key, None)
-                self.changed.set()
-        elif kind == "DELETED":
+    async def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
             gone = _key(obj.get("metadata"))
             if gone is None:
-                self._malformed("pod DELETED event without a name and namespace")
+                self.malformed("pod DELETED event without a name and namespace")
             else:
                 self._tombstone(gone)
                 self.changed.set()
-        elif kind != "BOOKMARK":
-            self._malformed("pod watch event of no known type")
-        # A skipped event's resourceVersion still counts: resuming must not replay it.
-        if rv := _resource_version(obj):
-            self.resource_version = rv
+            return
+        meta = await self._meta(obj)
+        if meta is None:
+            self.malformed(f"pod {kind} event without a name and namespace")
+        elif self._pods.get(key := (meta.namespace, meta.name)) != meta:
+            self._pods[key] = meta
+            self._by_uid = None
+            self._deleted.pop(key, None)
+            self.changed.set()
+
+    def synced(self) -> None:
         self.board.set(COMPONENT, "ok")
         self._metrics.pod_cache_pods.set(len(self._pods))
 
-    def _malformed(self, what: str) -> None:
+    def failed(self, exc: Exception) -> None:
+        why = failure_reason(exc, "pods")
+        self.last_error = str(exc)
+        if not self._ready:
+            self.no_api(why)  # do not hold the allocation trail back
+        elif self.board.set(COMPONENT, "degraded", f"{why}; serving the cached pods"):
+            _log.warning("pod cache degraded", extra={"error": str(exc)[:300]})
+
+    def malformed(self, what: str) -> None:
         self._metrics.pod_cache_malformed.inc()
         _log.warning("malformed pod data skipped", extra={"what": what})
 
@@ -321,7 +274,7 @@ class PodCache:
         for old in [k for k, (_, until) in self._deleted.items() if until <= now]:
             del self._deleted[old]
 
-    async def _meta(self, raw: Any, owners: OwnerResolver) -> PodMeta | None:
+    async def _meta(self, raw: Any) -> PodMeta | None:
         """A pod's metadata as the cache keeps it; None when it names no pod."""
         meta = raw.get("metadata") if isinstance(raw, Mapping) else None
         key = _key(meta)
@@ -336,7 +289,8 @@ class PodCache:
             workload = Workload(previous.workload_kind, previous.workload_name)
         else:
             self._raw_owner[key] = ref
-            workload = await owners.workload(meta) or Workload("", "")
+            assert self._owners is not None, "run() first"
+            workload = await self._owners.workload(meta) or Workload("", "")
         allowed = {
             k: str(labels[k]) for k in self.label_allowlist if isinstance(labels.get(k), str)
         }
@@ -360,9 +314,3 @@ def _key(meta: Any) -> tuple[str, str] | None:
     if isinstance(namespace, str) and isinstance(name, str) and namespace and name:
         return namespace, name
     return None
-
-
-def _resource_version(obj: Any) -> str | None:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
-    return rv if isinstance(rv, str) and rv else None

@@ -15,24 +15,17 @@ full GPUs and marks it as such.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from kubernetes_asyncio import client as k8s
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
-from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import (
-    KubeClient,
-    request_json,
-    watch_events,
-)
+from gpuid_agent.sources.kube.client import KubeClient
+from gpuid_agent.sources.kube.list_watch import ListCall, ListWatch, failure_reason, list_version
 from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 
 _log = log.get("resourceslices")
@@ -43,11 +36,6 @@ VERSIONS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("v1beta2", k8s.ResourceV1beta2Api),
     ("v1beta1", k8s.ResourceV1beta1Api),
 )
-ABSENT_RETRY_SECONDS = 600.0  # no resource.k8s.io: look again now and then (upgrades)
-
-
-def _skipped(what: str) -> None:
-    _log.warning("%s: skipped", what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,18 +116,24 @@ class ResourceSliceCache:
         self.node = node
         self.board = board or StatusBoard()
         self.changed = changed or asyncio.Event()
-        self._timeout = timeout
-        self._watch_timeout = watch_timeout
-        self._backoff_max = backoff_max
         self._versions = tuple(v for v in VERSIONS if versions is None or v[0] in versions)
         self._client: KubeClient | None = None
+        self._call: ListCall | None = None  # list_resource_slice of the version served
+        self._follow = ListWatch(
+            "resourceslice",
+            node,
+            self,
+            logger=_log,
+            timeout=timeout,
+            watch_timeout=watch_timeout,
+            backoff_max=backoff_max,
+        )
         # slice name → (driver, pool, generation, devices)
         self._slices: dict[str, tuple[str, str, int, list[SliceDevice]]] = {}
         self._index: dict[SliceKey, SliceDevice] = {}
         self._available = False
         self.version: str | None = None
         self._origin: str | None = None  # slices not from the API (a simulated node)
-        self.resource_version: str | None = None
         self.last_error: str | None = None
 
     # ---- what consumers read ---------------------------------------------------------------
@@ -165,7 +159,7 @@ class ResourceSliceCache:
             "slices": len(self._slices),
             "devices": len(self._index),
             "with_uuid": sum(1 for d in self._index.values() if d.uuid),
-            "resource_version": self.resource_version,
+            "resource_version": self._follow.resource_version,
             "last_error": self.last_error,
         }
 
@@ -188,62 +182,61 @@ class ResourceSliceCache:
     def load(self, items: list[dict[str, Any]], origin: str) -> None:
         """Use slices the node itself provides (a simulated node) instead of the API."""
         self.version, self._origin = None, origin
-        self._apply_list({"items": items, "metadata": {}}, origin)
+        self._replace(items, origin)
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
-        backoff = Backoff(base=1.0, cap=self._backoff_max)
-        api: Any = None
-        while True:
-            try:
-                if api is None:
-                    api = await self._discover()
-                    if api is None:
-                        await asyncio.sleep(ABSENT_RETRY_SECONDS)
-                        continue
-                if self.resource_version is None:
-                    await self._relist(api)
-                started = time.monotonic()
-                await self._watch(api)
-                backoff.reset()
-                if time.monotonic() - started < 1.0:
-                    await asyncio.sleep(1.0)
-            except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                if isinstance(exc, KubeApiError) and exc.status == 410:
-                    _log.info("resourceslice watch expired; listing again")
-                    self.resource_version = None
-                    continue
-                if isinstance(exc, KubeApiError) and exc.status == 404:
-                    api, self.resource_version = None, None  # the version went away
-                self._failed(exc)
-                await asyncio.sleep(backoff.next())
+        await self._follow.run()
 
-    async def _discover(self) -> Any:
-        """The API of the first served version, listed once; None when none is served."""
+    # ---- what the list+watch loop hands over -----------------------------------------------
+
+    async def relist(self, lister: ListWatch) -> str | None:
+        """List through the version found before, or find the first one served."""
+        if self._call is not None:
+            listed = await lister.list(self._call)
+        elif (listed := await self._discover(lister)) is None:
+            return None
+        items = listed.get("items") if isinstance(listed, Mapping) else None
+        self._replace(items, f"resource.k8s.io/{self.version}")
+        return list_version(listed)
+
+    async def _discover(self, lister: ListWatch) -> Any:
+        """The list reply of the first served version (then kept); None when none is."""
         assert self._client is not None
         for version, factory in self._versions:
-            api = factory(self._client.api)
+            call = factory(self._client.api).list_resource_slice
             try:
-                listed = await self._list(api)
+                listed = await lister.list(call)
             except KubeApiError as exc:
                 if exc.status == 404:
                     continue
                 raise
-            self.version = version
+            self.version, self._call = version, call
             _log.info("resourceslices followed", extra={"version": f"resource.k8s.io/{version}"})
-            self._apply_list(listed)
-            return api
+            return listed
         self.version = None
         self.no_api("resource.k8s.io ResourceSlices not served")
         return None
 
-    def _failed(self, exc: Exception) -> None:
+    async def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind != "DELETED":
+            self._store(obj)
+            self._reindex()
+            return
+        meta = obj.get("metadata")
+        name = meta.get("name") if isinstance(meta, Mapping) else None
+        if self._slices.pop(str(name or ""), None):
+            self._reindex()
+
+    def synced(self) -> None:
+        self._set_available(True)
+        self.board.set(COMPONENT, "ok", f"resource.k8s.io/{self.version}")
+
+    def failed(self, exc: Exception) -> None:
         status = getattr(exc, "status", 0)
-        why = {
-            401: "unauthorized",
-            403: "forbidden (RBAC: list/watch resourceslices)",
-            404: "resourceslices no longer served",
-        }.get(status, f"{type(exc).__name__}: {exc}")
+        if status == 404:
+            self._call = None  # the version went away: find the one served now
+        why = failure_reason(exc, "resourceslices")
         self.last_error = str(exc)[:300]
         if status in (401, 403, 404) or not self._available:
             if self.board.set(COMPONENT, "unavailable", f"{why}; DRA GPUs mapped node-locally"):
@@ -252,74 +245,24 @@ class ResourceSliceCache:
         elif self.board.set(COMPONENT, "degraded", f"{why}; serving the cached slices"):
             _log.warning("resourceslice cache degraded", extra={"error": self.last_error})
 
+    def malformed(self, what: str) -> None:
+        _log.warning("%s: skipped", what)
+
     def _set_available(self, available: bool) -> None:
         if available != self._available:
             self._available = available
             self.changed.set()
 
-    # ---- list and watch --------------------------------------------------------------------
-
-    def _selector(self) -> str:
-        return f"spec.nodeName={self.node}"
-
-    async def _list(self, api: Any) -> Any:
-        return await request_json(
-            api.list_resource_slice,
-            field_selector=self._selector(),
-            request_timeout=self._timeout,
-        )
-
-    async def _relist(self, api: Any) -> None:
-        self._apply_list(await self._list(api))
-
-    def _apply_list(self, listed: Any, origin: str | None = None) -> None:
+    def _replace(self, items: Any, source: str) -> None:
+        """All the node's slices at once (a list's items; odd ones are passed over)."""
         self._slices = {}
-        items = listed.get("items") if isinstance(listed, Mapping) else None
         for raw in items if isinstance(items, list) else []:
             if isinstance(raw, Mapping):
                 self._store(raw)
-        meta = listed.get("metadata") if isinstance(listed, Mapping) else None
-        rv = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
-        self.resource_version = str(rv or "")
         self.last_error = None
         self._reindex()
         self._set_available(True)
-        self.board.set(COMPONENT, "ok", origin or f"resource.k8s.io/{self.version}")
-
-    async def _watch(self, api: Any) -> None:
-        resp = await api.list_resource_slice(
-            field_selector=self._selector(),
-            watch=True,
-            resource_version=self.resource_version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=int(self._watch_timeout),
-            _preload_content=False,
-            _request_timeout=self._watch_timeout + self._timeout,
-        )
-        async with contextlib.aclosing(watch_events(resp, "resourceslice", _skipped)) as events:
-            async for event in events:
-                self._event(event)
-
-    def _event(self, event: Any) -> None:
-        """Apply one watch event; a malformed one is skipped (logged), never fatal."""
-        obj = event.get("object") if isinstance(event, Mapping) else None
-        if not isinstance(obj, Mapping):
-            _log.warning("malformed resourceslice watch event skipped")
-            return
-        kind = event.get("type")
-        if kind == "ERROR":
-            code = obj.get("code")
-            raise KubeApiError(code if isinstance(code, int) else 0, str(obj.get("message"))[:200])
-        meta = obj.get("metadata")
-        if not isinstance(meta, Mapping):
-            meta = {}
-        if kind in ("ADDED", "MODIFIED"):
-            self._store(obj)
-            self._reindex()
-        elif kind == "DELETED" and self._slices.pop(str(meta.get("name") or ""), None):
-            self._reindex()
-        if rv := meta.get("resourceVersion"):
-            self.resource_version = str(rv)
+        self.board.set(COMPONENT, "ok", source)
 
     def _store(self, raw: Mapping[str, Any]) -> None:
         meta = raw.get("metadata")

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpuid_agent.runtime.errors import DeviceIdError
+from gpuid_agent.sources.kubelet.devices import check_id_text, id_number
 
 NVIDIA_GPU_DRIVER = "gpu.nvidia.com"
 GPU_DRIVERS = frozenset({NVIDIA_GPU_DRIVER})
 MAX_DEVICE_NAME = 63  # a ResourceSlice device name is a DNS label
-_MAX_NUMBER = 99_999
 
 _GPU = re.compile(r"gpu-(\d{1,5})")
 # Profiles look like 1g.10gb, 1g.10gb+me, 1c.3g.40gb: no hyphen, so the fields split cleanly.
@@ -44,32 +44,20 @@ class DraDeviceName:
     placement: int | None = None
 
 
-def _number(text: str) -> int:
-    value = int(text)
-    if value > _MAX_NUMBER:
-        raise DeviceIdError("out_of_range", f"number {value} is out of range")
-    return value
-
-
 def parse_dra_device(name: str) -> DraDeviceName:
     """Parse an NVIDIA DRA device name; DeviceIdError (with a stable reason) otherwise."""
-    if not name:
-        raise DeviceIdError("empty", "empty DRA device name")
-    if len(name) > MAX_DEVICE_NAME:
-        raise DeviceIdError("too_long", f"DRA device name longer than {MAX_DEVICE_NAME}")
-    if not (name.isascii() and name.isprintable()) or " " in name:
-        raise DeviceIdError("bad_characters", "DRA device name has non-printable or non-ASCII")
+    check_id_text(name, "DRA device name", MAX_DEVICE_NAME)
     if match := _GPU.fullmatch(name):
-        return DraDeviceName(name, "gpu", _number(match.group(1)))
+        return DraDeviceName(name, "gpu", id_number(match.group(1)))
     if match := _MIG.fullmatch(name):
         minor, profile, profile_id, placement = match.groups()
         return DraDeviceName(
             name,
             "mig",
-            _number(minor),
+            id_number(minor),
             profile=profile,
-            profile_id=_number(profile_id),
-            placement=_number(placement),
+            profile_id=id_number(profile_id),
+            placement=id_number(placement),
         )
     raise DeviceIdError("unknown_form", "DRA device name fits no NVIDIA GPU or MIG form")
 

@@ -63,7 +63,19 @@ class DeviceRef:
         return self.form in ("mig_uuid", "mig_index", "mig_legacy", "gke_mig")
 
 
-def _number(text: str) -> int:
+def check_id_text(text: str, what: str, limit: int) -> None:
+    """Refuse a device id or name (`what`) that is empty, over `limit` characters, or not
+    printable ASCII without spaces, before any pattern is tried on it."""
+    if not text:
+        raise DeviceIdError("empty", f"empty {what}")
+    if len(text) > limit:
+        raise DeviceIdError("too_long", f"{what} longer than {limit} characters")
+    if not (text.isascii() and text.isprintable()) or " " in text:
+        raise DeviceIdError("bad_characters", f"{what} has non-printable or non-ASCII text")
+
+
+def id_number(text: str) -> int:
+    """A number within a device id or name (digits already matched), bounded."""
     value = int(text)
     if value > _MAX_NUMBER:
         raise DeviceIdError("out_of_range", f"number {value} is out of range")
@@ -72,18 +84,13 @@ def _number(text: str) -> int:
 
 def parse_device_id(device_id: str) -> DeviceRef:
     """Parse one kubelet device id; raises DeviceIdError naming why it is not understood."""
-    if not device_id:
-        raise DeviceIdError("empty", "empty device id")
-    if len(device_id) > MAX_DEVICE_ID:
-        raise DeviceIdError("too_long", f"device id longer than {MAX_DEVICE_ID} characters")
-    if not (device_id.isascii() and device_id.isprintable()) or " " in device_id:
-        raise DeviceIdError("bad_characters", "device id has non-printable or non-ASCII text")
+    check_id_text(device_id, "device id", MAX_DEVICE_ID)
     base, replica = device_id, None
     if "::" in device_id:
         base, _, suffix = device_id.rpartition("::")
         if not _REPLICA.fullmatch(suffix) or "::" in base:
             raise DeviceIdError("bad_replica", "replica suffix after :: is not a number")
-        replica = _number(suffix)
+        replica = id_number(suffix)
     if _GPU_UUID.fullmatch(base):
         return DeviceRef(device_id, "uuid", gpu_uuid=base, replica=replica)
     if match := _MIG_LEGACY.fullmatch(base):
@@ -91,20 +98,20 @@ def parse_device_id(device_id: str) -> DeviceRef:
             device_id,
             "mig_legacy",
             gpu_uuid=match.group(1),
-            gpu_instance_id=_number(match.group(2)),
-            compute_instance_id=_number(match.group(3)),
+            gpu_instance_id=id_number(match.group(2)),
+            compute_instance_id=id_number(match.group(3)),
             replica=replica,
         )
     if _MIG_UUID.fullmatch(base):
         return DeviceRef(device_id, "mig_uuid", mig_uuid=base, replica=replica)
     if _INDEX.fullmatch(base):
-        return DeviceRef(device_id, "index", gpu_index=_number(base), replica=replica)
+        return DeviceRef(device_id, "index", gpu_index=id_number(base), replica=replica)
     if match := _MIG_INDEX.fullmatch(base):
         return DeviceRef(
             device_id,
             "mig_index",
-            gpu_index=_number(match.group(1)),
-            mig_index=_number(match.group(2)),
+            gpu_index=id_number(match.group(1)),
+            mig_index=id_number(match.group(2)),
             replica=replica,
         )
     if match := _GKE.fullmatch(base):
@@ -112,12 +119,12 @@ def parse_device_id(device_id: str) -> DeviceRef:
         if vgpu is not None:
             if replica is not None:
                 raise DeviceIdError("bad_replica", "both /vgpuN and ::N replica suffixes")
-            replica = _number(vgpu)
+            replica = id_number(vgpu)
         return DeviceRef(
             device_id,
             "gke" if gi is None else "gke_mig",
-            gpu_minor=_number(minor),
-            gpu_instance_id=None if gi is None else _number(gi),
+            gpu_minor=id_number(minor),
+            gpu_instance_id=None if gi is None else id_number(gi),
             replica=replica,
         )
     raise DeviceIdError("unknown_form", "device id fits no known GPU id form")

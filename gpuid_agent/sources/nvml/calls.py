@@ -1,10 +1,10 @@
 """The one tolerant way to read an NVML field.
 
 A field NVML does not have here (NOT_SUPPORTED, a call the driver lacks, no permission, no
-data) is absent, not an error. A lost GPU (GPU_IS_LOST, RESET_REQUIRED) raises `GpuLostError`
-so the caller stops reading that GPU for this pass. Any other NVML error, or a value pynvml
-could not decode, fails that one field: counted, logged once per GPU and field until it reads
-again, and survived.
+data: `errors.ABSENT`) is absent, not an error. A lost GPU (GPU_IS_LOST, RESET_REQUIRED)
+raises `GpuLostError` so the caller stops reading that GPU for this pass. Any other NVML
+error, or a value pynvml could not decode, fails that one field: counted, logged once per GPU
+and field until it reads again, and survived.
 """
 
 from __future__ import annotations
@@ -15,40 +15,12 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpuid_agent.runtime.errors import GpuLostError
+from gpuid_agent.sources.nvml.errors import absent_reason, lost_error
 
 T = TypeVar("T")
 
-# Codes meaning "this field is not available here", not "something is wrong".
-ABSENT_CODES = frozenset(
-    {
-        pynvml.NVML_ERROR_NOT_SUPPORTED,
-        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-        pynvml.NVML_ERROR_NOT_FOUND,
-        pynvml.NVML_ERROR_NO_PERMISSION,
-        pynvml.NVML_ERROR_NO_DATA,
-    }
-)
-LOST_REASONS = {
-    pynvml.NVML_ERROR_GPU_IS_LOST: "GPU is lost (fallen off the bus or unreachable)",
-    pynvml.NVML_ERROR_RESET_REQUIRED: "GPU requires a reset",
-}
-LOST_CODES = frozenset(LOST_REASONS)
 # what pynvml raises for a value it cannot convert (bad UTF-8, a number out of range)
 MALFORMED = (ValueError, UnicodeDecodeError, OverflowError)
-
-
-def error_code(exc: pynvml.NVMLError) -> int | None:
-    value = getattr(exc, "value", None)
-    return int(value) if value is not None else None
-
-
-def lost_error(index: int, exc: pynvml.NVMLError) -> GpuLostError | None:
-    """The GpuLostError an NVML error means for GPU `index`, or None."""
-    code = error_code(exc)
-    if code is None or code not in LOST_REASONS:
-        return None
-    return GpuLostError(index, code, LOST_REASONS[code])
 
 
 class FieldCalls:
@@ -81,14 +53,10 @@ class FieldCalls:
             lost = lost_error(index, exc)
             if lost is not None:
                 raise lost from exc
-            code = error_code(exc)
-            if code in ABSENT_CODES:
+            reason = absent_reason(exc)
+            if reason is not None:
                 if absent is not None:
-                    absent[name] = (
-                        "the driver lacks this NVML call"
-                        if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-                        else f"not supported ({exc})"
-                    )
+                    absent[name] = reason
                 return None
             self._fail(index, name, f"NVML error reading {name}: {exc}")
             if failed is not None:

@@ -17,7 +17,8 @@ import pynvml
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import NvmlApi
-from gpuid_agent.sources.nvml.calls import FieldCalls, lost_error
+from gpuid_agent.sources.nvml.calls import FieldCalls
+from gpuid_agent.sources.nvml.errors import lost_error
 from gpuid_agent.sources.nvml.links import read_nvlinks, read_pcie
 from gpuid_agent.sources.nvml.signals import EccCounts, GpuHealthSignals
 

@@ -14,11 +14,12 @@ import pynvml
 
 from gpuid_agent.model import NVLINK_COUNTERS, NvLink, PcieLink
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi
-from gpuid_agent.sources.nvml.calls import ABSENT_CODES, FieldCalls, error_code, lost_error
+from gpuid_agent.sources.nvml.calls import FieldCalls
+from gpuid_agent.sources.nvml.errors import ABSENT, NvmlFault, fault, lost_error
 
 # NVML_NVLINK_MAX_LINKS of current drivers; probing stops earlier at the GPU's last link
 MAX_NVLINKS = 18
-_END_OF_LINKS = frozenset({*ABSENT_CODES, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+_END_OF_LINKS = frozenset({*ABSENT, NvmlFault.INVALID_ARGUMENT})
 
 
 def read_pcie(
@@ -63,8 +64,8 @@ def read_nvlinks(
             lost = lost_error(index, exc)
             if lost is not None:
                 raise lost from exc
-            code = error_code(exc)
-            if code in _END_OF_LINKS and (links or code != pynvml.NVML_ERROR_INVALID_ARGUMENT):
+            found = fault(exc)
+            if found in _END_OF_LINKS and (links or found is not NvmlFault.INVALID_ARGUMENT):
                 if not links:
                     absent["nvlink"] = f"no NVLink on this GPU ({exc})"
                     return None

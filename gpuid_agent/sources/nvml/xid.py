@@ -23,21 +23,12 @@ import pynvml
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.sources.nvml.api import NvmlApi
+from gpuid_agent.sources.nvml.errors import UNOFFERED, NvmlFault, error_code, fault
 from gpuid_agent.sources.nvml.signals import NvmlEvent, XidEvent
 
 _log = log.get("health.xid")
 _INVALID_INSTANCE = 0xFFFFFFFF
-_UNSUPPORTED = (
-    pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-    pynvml.NVML_ERROR_NO_PERMISSION,
-)
 _MAX_PAUSE = 60.0
-
-
-def _code(exc: pynvml.NVMLError) -> int | None:
-    value = getattr(exc, "value", None)
-    return int(value) if value is not None else None
 
 
 class XidWatcher:
@@ -142,19 +133,17 @@ class XidWatcher:
                     self._register(event_set, registered, retry_at)
                     event = self._api.event_set_wait(event_set, self._wait_ms)
                 except pynvml.NVMLError as exc:
-                    code = _code(exc)
-                    if code == pynvml.NVML_ERROR_TIMEOUT:
+                    found = fault(exc)
+                    if found is NvmlFault.TIMEOUT:
                         backoff.reset()
                         continue
-                    if code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND or (
-                        event_set is None and code in _UNSUPPORTED
-                    ):
+                    if found is NvmlFault.NO_CALL or (event_set is None and found in UNOFFERED):
                         # No event API on this driver: the XID check says so; nothing to retry.
                         self.unavailable = f"XID events not available: {exc}"
                         _log.warning(self.unavailable)
                         return
-                    self._warn_once(f"wait:{code}", f"XID event wait failed: {exc}")
-                    if code != pynvml.NVML_ERROR_GPU_IS_LOST:
+                    self._warn_once(f"wait:{error_code(exc)}", f"XID event wait failed: {exc}")
+                    if found is not NvmlFault.LOST:
                         # The set may be gone with an NVML re-initialisation: start afresh.
                         self._free(event_set)
                         event_set = None
@@ -194,7 +183,7 @@ class XidWatcher:
                 self._api.register_xid_events(handle, event_set)
                 key = self._api.device_key(handle)
             except pynvml.NVMLError as exc:
-                if _code(exc) in _UNSUPPORTED:
+                if fault(exc) in UNOFFERED:
                     unsupported[index] = f"XID events not supported on this GPU: {exc}"
                 else:  # lost or busy: try again later, without spinning
                     retry_at[index] = now + self._retry_after

@@ -1,0 +1,176 @@
+"""The one list+watch loop of the agent's node-scoped caches (pods, ResourceSlices).
+
+LIST the node's objects (`fieldSelector=spec.nodeName=<node>`), then WATCH from the list's
+resourceVersion, resuming from the last event's when the server ends the watch. 410 Gone lists
+again at once; a resourceVersion the server refuses (400) or a resource it no longer serves
+(404) lists again after the backoff; any other failure is retried after the backoff with the
+cached objects kept. Each watch event is unwrapped here (ERROR events end the watch, odd ones
+are reported and skipped, every resourceVersion is tracked), so the cache only ever sees an
+ADDED, MODIFIED or DELETED object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from gpuid_agent.runtime.errors import KubeApiError
+from gpuid_agent.runtime.retry import Backoff
+from gpuid_agent.sources.kube.client import request_json, watch_events
+
+# a kubernetes_asyncio list method (`list_pod_for_all_namespaces`, …): lists, and with
+# watch=True watches, the same collection
+ListCall = Callable[..., Awaitable[Any]]
+
+ABSENT_RETRY_SECONDS = 600.0  # a resource not served (no resource.k8s.io): look again now and then
+_FAILURES = (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError)
+
+
+class Followed(Protocol):
+    """What a cache kept by a ListWatch does with what the API says."""
+
+    async def relist(self, lister: ListWatch) -> str | None:
+        """List everything through `lister.list` and take it as the whole state; the list's
+        resourceVersion (`list_version`), or None when the resource is not served here (then
+        looked for again after ABSENT_RETRY_SECONDS)."""
+        ...
+
+    async def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """One ADDED, MODIFIED or DELETED object of the watch."""
+        ...
+
+    def synced(self) -> None:
+        """A watch event was taken: the cache follows the API."""
+        ...
+
+    def failed(self, exc: Exception) -> None:
+        """A list or watch failed; the loop retries after a backoff."""
+        ...
+
+    def malformed(self, what: str) -> None:
+        """A watch line, event or listed item was skipped."""
+        ...
+
+
+class ListWatch:
+    """Keeps `target` in step with this node's objects of one kind (`what`: "pod", …)."""
+
+    def __init__(
+        self,
+        what: str,
+        node: str,
+        target: Followed,
+        *,
+        logger: logging.Logger,
+        timeout: float,
+        watch_timeout: float,
+        backoff_max: float,
+    ) -> None:
+        self.what = what
+        self.selector = f"spec.nodeName={node}"
+        self._target = target
+        self._log = logger
+        self._timeout = timeout
+        self._watch_timeout = watch_timeout
+        self._backoff_max = backoff_max
+        self._call: ListCall | None = None  # the collection last listed: the one watched
+        self.resource_version: str | None = None  # None: list (again) before watching
+
+    async def list(self, call: ListCall) -> Any:
+        """One LIST of the node's objects through `call`, as parsed JSON; the watch that
+        follows is on the same collection."""
+        listed = await request_json(
+            call, field_selector=self.selector, request_timeout=self._timeout
+        )
+        self._call = call
+        return listed
+
+    async def run(self) -> None:
+        backoff = Backoff(base=1.0, cap=self._backoff_max)
+        while True:
+            try:
+                if self.resource_version is None:
+                    listed_at = await self._target.relist(self)
+                    if listed_at is None:
+                        await asyncio.sleep(ABSENT_RETRY_SECONDS)
+                        continue
+                    self.resource_version = listed_at
+                started = time.monotonic()
+                await self._watch()
+                backoff.reset()
+                if time.monotonic() - started < 1.0:
+                    await asyncio.sleep(1.0)  # a server ending every watch at once: no spin
+            except _FAILURES as exc:
+                status = exc.status if isinstance(exc, KubeApiError) else None
+                if status == 410:
+                    self._log.info("%s watch expired; listing again", self.what)
+                    self.resource_version = None
+                    continue
+                if status in (400, 404):  # a refused resourceVersion; a resource gone
+                    self.resource_version = None
+                self._target.failed(exc)
+                await asyncio.sleep(backoff.next())
+
+    async def _watch(self) -> None:
+        """Follow events until the server ends the watch; a 410 raises KubeApiError(410)."""
+        assert self._call is not None, "a list comes first"
+        resp = await self._call(
+            field_selector=self.selector,
+            watch=True,
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=int(self._watch_timeout),
+            _preload_content=False,
+            _request_timeout=self._watch_timeout + self._timeout,
+        )
+        malformed = self._target.malformed
+        async with contextlib.aclosing(watch_events(resp, self.what, malformed)) as events:
+            async for event in events:
+                await self._event(event)
+
+    async def _event(self, event: Any) -> None:
+        obj = event.get("object") if isinstance(event, Mapping) else None
+        if not isinstance(obj, Mapping):
+            self._target.malformed(f"{self.what} watch event without an object")
+            return
+        kind = event.get("type")
+        if kind == "ERROR":
+            code = obj.get("code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) else 0
+            raise KubeApiError(status, str(obj.get("message"))[:200])
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            await self._target.apply(kind, obj)
+        elif kind != "BOOKMARK":
+            self._target.malformed(f"{self.what} watch event of no known type")
+        # A skipped event's resourceVersion still counts: resuming must not replay it.
+        if version := object_version(obj):
+            self.resource_version = version
+        self._target.synced()
+
+
+def failure_reason(exc: Exception, resource: str) -> str:
+    """Why a list or watch of `resource` ("pods", …) failed, as /status says it."""
+    status = getattr(exc, "status", 0)
+    return {
+        401: "unauthorized",
+        403: f"forbidden (RBAC: list/watch {resource})",
+        404: f"{resource} no longer served",
+    }.get(status, f"{type(exc).__name__}: {exc}")
+
+
+def object_version(obj: Any) -> str | None:
+    """An object's (or a list's) metadata.resourceVersion; None unless a non-empty string."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    version = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return version if isinstance(version, str) and version else None
+
+
+def list_version(listed: Any) -> str:
+    """The resourceVersion to watch a list from ("": none given, watch from now)."""
+    return object_version(listed) or ""
