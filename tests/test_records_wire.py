@@ -66,9 +66,9 @@ def _allocations() -> list[dict[str, Any]]:
     shared = Allocation(
         Holder("inf", "serve", "srv"), "nvidia.com/gpu", "GPU-1::2", "GPU-1", None, 2
     )
-    out = trail.diff(Attribution("current", (whole, mig, shared)), inv)
-    out += trail.diff(Attribution("current", (whole, mig, shared)), inv)
-    out += trail.diff(Attribution("current", (whole,)), inv)
+    out = trail.owed(Attribution("current", (whole, mig, shared)), inv)
+    out += trail.owed(Attribution("current", (whole, mig, shared)), inv)
+    out += trail.owed(Attribution("current", (whole,)), inv)
     return out
 
 
