@@ -26,6 +26,7 @@ from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.hardware import HardwareWatch
 from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.errors import ConfigError
@@ -169,10 +170,12 @@ class Agent:
         spawn("render", self.renderer.run(bus.subscribe("render")))
         if self.otlp_metrics is not None:
             spawn("otlp-metrics", self.otlp_metrics.run(bus.subscribe("otlp-metrics")))
-        spawn("emitter", self.emitter.run(bus.subscribe("readings")))
-        spawn("allocations", self.trail.run(bus.subscribe("allocations")))
-        spawn("health-records", self.health_records.run(bus.subscribe("health", events=True)))
-        spawn("hardware", self.hardware.run(bus.subscribe("hardware")))
+        spawn("emitter", run_emitter(bus.subscribe("readings"), self.emitter))
+        spawn("allocations", run_emitter(bus.subscribe("allocations"), self.trail))
+        spawn(
+            "health-records", run_emitter(bus.subscribe("health", events=True), self.health_records)
+        )
+        spawn("hardware", run_emitter(bus.subscribe("hardware"), self.hardware))
         observer = request_counter(self.metrics.kube_api_requests)
         kube = self.kube = await open_shared_client(
             self.settings.kube_api, observer=observer, board=self.board

@@ -14,15 +14,11 @@ import pytest
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity
-from gpuid_agent.records.allocations import (
-    STATE_FILE,
-    AllocationTrail,
-    TrailIdentity,
-    allocation_record_id,
-)
+from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity, allocation_record_id
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from gpuid_agent.state.allocation_trail import STATE_FILE
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml
@@ -209,7 +205,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
             namespace, name, uid["value"], workload_kind="StatefulSet", workload_name="db"
         )
 
-    first = trail.diff(attribute(inventory, snapshot, pods=lookup), inventory)
+    first = trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)
     assert len(first) == 1
     record = first[0]
     assert record["mig_uuid"] == gpu.mig_devices[0].uuid
@@ -219,9 +215,9 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
         "StatefulSet",
         "db",
     )
-    assert trail.diff(attribute(inventory, snapshot, pods=lookup), inventory) == []
+    assert trail.owed(attribute(inventory, snapshot, pods=lookup), inventory) == []
     uid["value"] = "uid-2"
-    replaced = trail.diff(attribute(inventory, snapshot, pods=lookup), inventory)
+    replaced = trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)
     assert [(r["event"], r["pod_uid"]) for r in replaced] == [("end", "uid-1"), ("start", "uid-2")]
     assert replaced[0]["allocation_id"] == record["allocation_id"]
     assert replaced[1]["allocation_id"] != record["allocation_id"]

@@ -45,8 +45,8 @@ def dra_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     plugin = Allocation(Holder("ml", "train", "main"), "nvidia.com/gpu", "GPU-0", "GPU-0")
     a, b = (Allocation(**{**_fields(x), "claim": shared}) for x in (a, b))
     inv = _inventory()
-    out = trail.diff(Attribution("current", (a, b, mig, plugin)), inv)
-    out += trail.diff(Attribution("current", (b, mig, plugin)), inv)
+    out = trail.owed(Attribution("current", (a, b, mig, plugin)), inv)
+    out += trail.owed(Attribution("current", (b, mig, plugin)), inv)
     dra = [r for r in out if r["resource_name"] == "gpu.nvidia.com"]
     return dra, [r for r in out if r["resource_name"] != "gpu.nvidia.com"]
 

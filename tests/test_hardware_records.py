@@ -16,11 +16,15 @@ from hypothesis import strategies as st
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity, NodeInventory
-from gpuid_agent.records.hardware import HardwareWatch, changes
+from gpuid_agent.records.hardware import HardwareWatch, hardware_record
+from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from gpuid_agent.state.bus import SnapshotBus
+from gpuid_agent.state.gpu_slots import GpuSlots, changes
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.test_records_bus import snapshot
 
 buses = st.text(alphabet="0123456789abcdef:.", min_size=1, max_size=16)
 serials = st.text(min_size=1, max_size=12)
@@ -77,10 +81,13 @@ def _inventory(*gpus: tuple[str, str | None]) -> NodeInventory:
 
 
 def test_a_serial_that_did_not_read_is_no_removal() -> None:
-    watch = HardwareWatch(cluster="c", source="t", publish_durable=_never)
-    assert watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", "S2"))) == []
-    assert watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", None))) == []
-    [record] = watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2a:00.0", "S3")))
+    slots = GpuSlots()
+    assert slots.update(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", "S2"))) == []
+    assert slots.update(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", None))) == []
+    swapped = _inventory(("0000:18:00.0", "S1"), ("0000:2a:00.0", "S3"))
+    [change] = slots.update(swapped)
+    assert change == ("replaced", "0000:2a:00.0", "S2", "S3")
+    record = hardware_record(swapped, change, cluster="c", source="t")
     assert (record["event"], record["old_serial"], record["new_serial"]) == ("replaced", "S2", "S3")
     assert record["pci_bus_id"] == "0000:2a:00.0" and record["uuid"] == "GPU-1-S3"
 
@@ -92,37 +99,40 @@ async def _never(records: list[dict[str, Any]]) -> None:
 async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     tmp_path: Path,
 ) -> None:
+    bus, state = SnapshotBus(), tmp_path / "hardware.json"
     first = HardwareWatch(cluster="c", source="t", publish_durable=_never, state_dir=str(tmp_path))
-    first.diff(_inventory(("0000:18:00.0", "S1")))
-    first.pending.extend(first.diff(_inventory(("0000:18:00.0", "S2"))))
-    task = asyncio.create_task(first._deliver())
-    state = tmp_path / "hardware.json"
-    await eventually(lambda: state.exists() and b'"pending":[{' in state.read_bytes())
+    task = asyncio.create_task(run_emitter(bus.subscribe("hardware"), first))
+    bus.publish(snapshot(1, _inventory(("0000:18:00.0", "S1"))))
+    await eventually(lambda: state.exists())  # the baseline
+    bus.publish(snapshot(2, _inventory(("0000:18:00.0", "S2"))))
+    await eventually(lambda: b'"pending":[{' in state.read_bytes())
     task.cancel()  # killed while the exporters still held nothing
-    [owed] = first.pending
+    [owed] = orjson.loads(state.read_bytes())["pending"]
+    assert (owed["old_serial"], owed["new_serial"]) == ("S1", "S2")
     published: list[dict[str, Any]] = []
 
     async def publish(records: list[dict[str, Any]]) -> None:
         published.extend(records)
 
+    bus = SnapshotBus()
     second = HardwareWatch(
         cluster="c", source="t", publish_durable=publish, state_dir=str(tmp_path)
     )
-    runner = asyncio.create_task(second.run())
+    runner = asyncio.create_task(run_emitter(bus.subscribe("hardware"), second))
     await eventually(lambda: published)
-    second.offer(_inventory(("0000:18:00.0", "S2")))  # the same slot again: nothing new
-    second.stop()
+    bus.publish(snapshot(3, _inventory(("0000:18:00.0", "S2"))))  # the same slot: nothing new
+    bus.close()
     await runner
-    assert published == [owed] and owed["record_id"] == published[0]["record_id"]
-    third = HardwareWatch(cluster="c", source="t", publish_durable=publish, state_dir=str(tmp_path))
-    assert third.pending == [] and third.slots == {"0000:18:00.0": "S2"}
+    assert published == [owed]
+    third = GpuSlots(str(tmp_path))
+    assert third.pending == [] and third.serials == {"0000:18:00.0": "S2"}
 
 
 def test_an_unreadable_state_file_is_survived_as_no_baseline(tmp_path: Path) -> None:
     (tmp_path / "hardware.json").write_bytes(b'{"version": 1, "slots": {"a": 7}}')
-    watch = HardwareWatch(cluster="c", source="t", publish_durable=_never, state_dir=str(tmp_path))
-    assert watch.slots is None
-    assert watch.diff(_inventory(("a", "S1"))) == []  # a baseline, not a change
+    slots = GpuSlots(str(tmp_path))
+    assert slots.serials is None
+    assert slots.update(_inventory(("a", "S1"))) == []  # a baseline, not a change
 
 
 async def _run_once(fake: FakeNvml, config: fakenvml.FakeNvmlConfig, state: Path) -> list[Any]:
@@ -131,8 +141,10 @@ async def _run_once(fake: FakeNvml, config: fakenvml.FakeNvmlConfig, state: Path
     s = settings(state_dir=str(state), nvml_library_path=str(fake.lib_path))
     agent = Agent(s, nvml_api=PynvmlApi(str(fake.lib_path)), exporters=[StdoutExporter(out)])
     async with running_agent(agent):
-        await eventually(lambda: agent.hardware.slots is not None)
-        await eventually(lambda: not agent.hardware.pending and (state / "hardware.json").exists())
+        await eventually(lambda: agent.hardware.status()["gpus"])  # the baseline
+        await eventually(
+            lambda: agent.hardware.status()["pending"] == 0 and (state / "hardware.json").exists()
+        )
         await eventually(lambda: agent.collector.inventory is not None)
     rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
     return [r for r in rows if r["kind"] == "hardware"]
@@ -166,7 +178,7 @@ async def test_a_simulated_replacement_is_one_record(tmp_path: Path) -> None:
     agent = Agent(s, exporters=[StdoutExporter(out)])
     async with running_agent(agent):
         await eventually(lambda: b'"kind":"hardware"' in out.getvalue())
-        await eventually(lambda: not agent.hardware.pending)
+        await eventually(lambda: agent.hardware.status()["pending"] == 0)
     rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
     [record] = [r for r in rows if r["kind"] == "hardware"]
     assert (record["event"], record["index"]) == ("replaced", 3)

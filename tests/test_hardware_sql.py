@@ -50,15 +50,15 @@ async def test_the_docs_recipes_find_swaps_and_moves(
 ) -> None:
     a = HardwareWatch(cluster="east", source="t", publish_durable=_never)
     b = HardwareWatch(cluster="west", source="t", publish_durable=_never)
-    a.diff(_inventory("m-1", "east", T0, ("0000:18:00.0", "S1"), ("0000:2a:00.0", "S2")))
-    b.diff(_inventory("m-2", "west", T0, ("0000:18:00.0", "S5")))
+    a.owed(_inventory("m-1", "east", T0, ("0000:18:00.0", "S1"), ("0000:2a:00.0", "S2")))
+    b.owed(_inventory("m-2", "west", T0, ("0000:18:00.0", "S5")))
     # S2 is pulled from m-1 (S9 goes in) and put into m-2 a day later in place of S5
-    swapped = a.diff(
+    swapped = a.owed(
         _inventory(
             "m-1", "east", T0 + timedelta(hours=1), ("0000:18:00.0", "S1"), ("0000:2a:00.0", "S9")
         )
     )
-    moved = b.diff(_inventory("m-2", "west", T0 + timedelta(days=1), ("0000:18:00.0", "S2")))
+    moved = b.owed(_inventory("m-2", "west", T0 + timedelta(days=1), ("0000:18:00.0", "S2")))
     exporter = make()
     await exporter.export([*swapped, *moved])
     await exporter.export(swapped)  # a re-send is stored once

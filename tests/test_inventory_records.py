@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from datetime import UTC, datetime
 
@@ -8,6 +7,7 @@ from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.readings import ReadingEmitter, Record, reading_records, record_id
 from gpuid_agent.simulate.profiles import gb200x4, h100x8
 from gpuid_agent.state.inventory import build_inventory, diff
+from tests.test_records_bus import snapshot
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
 
@@ -128,6 +128,8 @@ class _Clock:
 
 
 async def test_emitter_emits_on_start_change_and_heartbeat_only() -> None:
+    """Through the protocol `run_emitter` drives (test_records_bus runs it on a bus): each
+    snapshot noted and flushed in turn, so none is coalesced away."""
     published: list[list[Record]] = []
     clock = _Clock()
 
@@ -135,32 +137,30 @@ async def test_emitter_emits_on_start_change_and_heartbeat_only() -> None:
         published.append(records)
 
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=publish, clock=clock)
-    task = asyncio.create_task(emitter.run())
     inv = _inventory()
+    seq = iter(range(1, 100))
 
-    async def settle() -> None:
-        for _ in range(5):
-            await asyncio.sleep(0)
+    async def collect(inventory: NodeInventory) -> None:
+        emitter.note(snapshot(next(seq), inventory))
+        await emitter.flush()
 
-    emitter.offer(inv)
-    await settle()
+    assert emitter.next_tick() is None  # no heartbeat before the first emission
+    await collect(inv)
     assert [r["reason"] for r in published[-1]] == ["startup"] * 4
     for tick in range(5):  # unchanged collections: nothing
-        emitter.offer(dataclasses.replace(inv, read_time=T0.replace(second=tick)))
-        await settle()
+        await collect(dataclasses.replace(inv, read_time=T0.replace(second=tick)))
     assert len(published) == 1
 
     gpus = list(inv.gpus)
     gone = gpus.pop()
-    emitter.offer(dataclasses.replace(inv, gpus=tuple(gpus)))
-    await settle()
+    await collect(dataclasses.replace(inv, gpus=tuple(gpus)))
     assert len(published) == 2
     changes = {r["uuid"]: r["change"] for r in published[-1]}
     assert changes[gone.uuid] == "removed" and len(changes) == 4
 
+    assert emitter.next_tick() == 3600
     clock.now += 3600
-    emitter.offer(dataclasses.replace(inv, gpus=tuple(gpus), read_time=T0.replace(minute=9)))
-    await settle()
+    assert emitter.next_tick() == 0
+    await emitter.tick()  # no snapshot came within the heartbeat interval
     assert [r["reason"] for r in published[-1]] == ["heartbeat"] * 3
-    emitter.stop()
-    await asyncio.wait_for(task, 1)
+    assert len(published) == 3

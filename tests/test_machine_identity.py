@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import PlatformInfo
-from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.model import NodeInventory, PlatformInfo
+from gpuid_agent.records.readings import ReadingEmitter, Record
 from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 from gpuid_agent.sources.machine import resolve_machine
 from gpuid_agent.state.inventory import diff
 from tests.test_labels_layout import gb200, inventory
+from tests.test_records_bus import snapshot
 
 AZURE = (
     "azure:///subscriptions/0000-1111/resourceGroups/mc_rg/providers/Microsoft.Compute/"
@@ -98,22 +99,19 @@ def test_resolution_order(tmp_path: Path) -> None:
     assert resolve_machine(None, str(tmp_path / "none"), "") is None
 
 
-def test_machine_change_is_an_inventory_change_with_new_records() -> None:
+async def test_machine_change_is_an_inventory_change_with_new_records() -> None:
     before = gb200()
     after = dataclasses.replace(inventory(*before.gpus, machine="i-0new"))
     changes = diff(before, after)
     assert [c.kind for c in changes] == ["node"]
     assert changes[0].fields == ("machine",)
-    emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=_discard)
-    emitter._emitted = before  # as if `before` had been sent
-    emitter._last_emit = emitter._clock()
-    records = emitter.due(after)
+    records = await _records_after(before, after)
     assert len(records) == 4
     assert {r["machine"] for r in records} == {"i-0new"}
     assert {r["reason"] for r in records} == {"change"}
 
 
-def test_chassis_change_for_a_serial_is_an_inventory_change() -> None:
+async def test_chassis_change_for_a_serial_is_an_inventory_change() -> None:
     before = gb200("CHASSIS-1")
     moved = [
         dataclasses.replace(
@@ -133,13 +131,21 @@ def test_chassis_change_for_a_serial_is_an_inventory_change() -> None:
     changes = diff(before, after)
     assert {c.kind for c in changes} == {"changed"}
     assert all("platform" in c.fields for c in changes)
-    emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=_discard)
-    emitter._emitted = before
-    emitter._last_emit = emitter._clock()
-    records = emitter.due(after)
+    records = await _records_after(before, after)
     assert {r["chassis"] for r in records} == {"CHASSIS-2"}
     assert {r["change"] for r in records} == {"changed"}
 
 
-async def _discard(records: list[dict[str, object]]) -> None:
-    return None
+async def _records_after(before: NodeInventory, after: NodeInventory) -> list[Record]:
+    """The reading records `after` owes once `before` was emitted."""
+    published: list[list[Record]] = []
+
+    async def publish(records: list[Record]) -> None:
+        published.append(records)
+
+    emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=publish)
+    for seq, inv in enumerate((before, after)):
+        emitter.note(snapshot(seq, inv))
+        await emitter.flush()
+    assert [r["reason"] for r in published[0]] == ["startup"] * len(before.gpus)
+    return published[1]

@@ -12,6 +12,7 @@ from gpuid_agent.model import NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import CheckStatus, NodeHealth, Transition
@@ -56,7 +57,7 @@ def alloc(pod: str, device: str) -> Allocation:
 async def test_reading_emitter_follows_the_bus_and_drains_on_close() -> None:
     bus, out = SnapshotBus(), []
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=collector(out))
-    task = asyncio.create_task(emitter.run(bus.subscribe("readings")))
+    task = asyncio.create_task(run_emitter(bus.subscribe("readings"), emitter))
     bus.publish(snapshot(1, inventory()))
     await eventually(lambda: len(out) == 4)
     bus.publish(snapshot(2, inventory(read_time=BASE_TIME + timedelta(seconds=1))))
@@ -75,7 +76,7 @@ async def test_trail_takes_only_current_attributions_with_pods_ready() -> None:
     bus, out = SnapshotBus(), []
     trail = AllocationTrail(TrailIdentity("c1", "n1", "s"), publish_durable=collector(out))
     sub = bus.subscribe("allocations")
-    task = asyncio.create_task(trail.run(sub))
+    task = asyncio.create_task(run_emitter(sub, trail))
     inv = inventory()
     bus.publish(
         snapshot(1, inv, Attribution("current", (alloc("a", "GPU-n1-0"),)), pods_ready=False)
@@ -92,7 +93,8 @@ async def test_trail_takes_only_current_attributions_with_pods_ready() -> None:
 async def test_health_publisher_turns_every_snapshots_transitions_into_records() -> None:
     bus, out = SnapshotBus(), []
     publisher = HealthPublisher(collector(out), source="s")
-    task = asyncio.create_task(publisher.run(bus.subscribe("health-records", events=True)))
+    sub = bus.subscribe("health-records", events=True)
+    task = asyncio.create_task(run_emitter(sub, publisher))
     inv = inventory()
     status = CheckStatus("degraded", "hot", "check_workload", BASE_TIME)
     for seq in range(1, 4):  # none may be coalesced away
@@ -114,16 +116,18 @@ async def test_trail_owes_records_again_when_the_durable_hand_off_fails() -> Non
             raise OSError("spool disk full")
         out.extend(records)
 
+    bus = SnapshotBus()
     trail = AllocationTrail(TrailIdentity("c1", "n1", "s"), publish_durable=publish_durable)
-    trail.offer(Attribution("current", (alloc("a", "GPU-n1-0"),)), inventory())
+    bus.publish(snapshot(1, inventory(), Attribution("current", (alloc("a", "GPU-n1-0"),))))
     with pytest.raises(OSError, match="spool disk full"):
-        await trail.run()
+        await run_emitter(bus.subscribe("allocations"), trail)
     # the open set counts the allocation, and its start is still owed (pending)
     assert trail.status()["open"] == 1
-    assert [r["event"] for r in trail.pending] == ["start"]
+    assert [r["event"] for r in trail.allocations.pending] == ["start"]
     assert out == []
     failing = False
-    trail.stop()
-    await asyncio.wait_for(trail.run(), 5)  # as the supervisor restarts it
+    task = asyncio.create_task(run_emitter(bus.subscribe("allocations"), trail))  # a restart
+    bus.close()
+    await asyncio.wait_for(task, 5)
     assert [(r["event"], r["pod"], r["start_observed"]) for r in out] == [("start", "a", False)]
-    assert trail.pending == []
+    assert trail.allocations.pending == []

@@ -4,6 +4,7 @@ produced by the record code before records became typed)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory, PlatformInf
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
+from gpuid_agent.records.types import (
+    AllocationRecord,
+    HardwareRecord,
+    Header,
+    HealthRecord,
+    ReadingRecord,
+)
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.health.model import CheckStatus, Transition
 
@@ -66,9 +74,9 @@ def _allocations() -> list[dict[str, Any]]:
     shared = Allocation(
         Holder("inf", "serve", "srv"), "nvidia.com/gpu", "GPU-1::2", "GPU-1", None, 2
     )
-    out = trail.diff(Attribution("current", (whole, mig, shared)), inv)
-    out += trail.diff(Attribution("current", (whole, mig, shared)), inv)
-    out += trail.diff(Attribution("current", (whole,)), inv)
+    out = trail.owed(Attribution("current", (whole, mig, shared)), inv)
+    out += trail.owed(Attribution("current", (whole, mig, shared)), inv)
+    out += trail.owed(Attribution("current", (whole,)), inv)
     return out
 
 
@@ -103,6 +111,14 @@ def test_wire_records_match_the_pinned_fixture() -> None:
         assert len(now[kind]) == len(pinned[kind]), kind
         for got, want in zip(now[kind], pinned[kind], strict=True):
             assert got == want, (kind, want["record_id"])
+
+
+def test_every_record_kind_declares_the_one_header() -> None:
+    header = set(Header.__annotations__) | {"kind"}
+    for kind in (ReadingRecord, AllocationRecord, HealthRecord, HardwareRecord):
+        declared = [f.name for f in fields(kind)]
+        assert header <= set(declared), kind
+        assert declared[:2] == ["schema_version", "kind"], kind
 
 
 if __name__ == "__main__":  # regenerate only when the wire format is meant to change

@@ -101,7 +101,7 @@ def fleet_allocations() -> list[Record]:
     out: list[Record] = []
     for when, held in steps:
         now[0] = when
-        out += trail.diff(Attribution("current", held), inv)
+        out += trail.owed(Attribution("current", held), inv)
     return out
 
 

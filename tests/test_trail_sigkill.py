@@ -29,16 +29,20 @@ from typing import Any
 import asyncpg
 import orjson
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.model import GpuIdentity
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.simulate.profiles import gb200x4
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
-from gpuid_agent.state.attribution import Attribution, attribute
+from gpuid_agent.state.attribution import attribute
+from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.snapshot import NodeSnapshot
 from tests.conftest import eventually
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
+from tests.test_records_bus import snapshot
 
 NODE = "sim-trailkill"
 RESOURCE = "nvidia.com/gpu"
@@ -328,7 +332,7 @@ async def test_allocation_trail_survives_repeated_sigkill(
     assert "Traceback" not in log.read_text()
 
 
-def _node(*pods: str) -> tuple[Attribution, NodeInventory]:
+def _node(seq: int, *pods: str) -> NodeSnapshot:
     gpu = GpuIdentity(index=0, uuid="GPU-00000000-0000-4000-8000-00000000000a", serial="S0")
     inventory = build_inventory(
         [gpu],
@@ -341,7 +345,7 @@ def _node(*pods: str) -> tuple[Attribution, NodeInventory]:
         read_time=datetime.now(UTC),
     )
     held = tuple(DeviceAssignment("ns", p, "main", RESOURCE, gpu.uuid) for p in pods)
-    return attribute(inventory, PodResourcesSnapshot(held)), inventory
+    return snapshot(seq, inventory, attribute(inventory, PodResourcesSnapshot(held)))
 
 
 async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Path) -> None:
@@ -355,9 +359,10 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
         await asyncio.Event().wait()
 
     identity = TrailIdentity("c", "n", "src")
+    bus = SnapshotBus()
     first = AllocationTrail(identity, publish_durable=dies_mid_publish, state_dir=str(tmp_path))
-    task = asyncio.create_task(first.run())
-    first.offer(*_node("job-1"))
+    task = asyncio.create_task(run_emitter(bus.subscribe("allocations"), first))
+    bus.publish(_node(1, "job-1"))
     await asyncio.wait_for(blocked.wait(), 10)
     task.cancel()  # the process dies here: the start is in no spool
     with contextlib.suppress(asyncio.CancelledError):
@@ -368,13 +373,14 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
     async def spool(records: list[dict[str, Any]]) -> None:
         published.extend(records)
 
+    bus = SnapshotBus()
     second = AllocationTrail(identity, publish_durable=spool, state_dir=str(tmp_path))
-    task = asyncio.create_task(second.run())
+    task = asyncio.create_task(run_emitter(bus.subscribe("allocations"), second))
     try:
-        second.offer(*_node())  # job-1 went while no agent ran
+        bus.publish(_node(1))  # job-1 went while no agent ran
         await eventually(lambda: len(published) == 2, within=10)
     finally:
-        second.stop()
+        bus.close()
         await asyncio.wait_for(task, 10)
     assert [(r["pod"], r["event"], r["end_observed"]) for r in published] == [
         ("job-1", "start", None),

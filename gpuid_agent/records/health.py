@@ -1,22 +1,21 @@
 """`kind=health` records: one per check transition, in the same envelope as reading records.
 
-Transitions are rare but each one matters, so they are queued (not coalesced like readings)
-and published by their own task: the collector never waits on a slow exporter. The queue is
-bounded; if an exporter outage outlasts it, the oldest transitions are dropped and counted.
+Transitions are rare but each one matters, so they are queued (not coalesced like readings):
+the emitter reads an `events=True` subscription and publishes every transition it brought; the
+collector never waits on a slow exporter. The queue is bounded; if an exporter outage outlasts
+it, the oldest transitions are dropped and counted.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
-from gpuid_agent.records.consume import follow
+from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, rfc3339, to_wire
-from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
+from gpuid_agent.records.types import HealthRecord, header
 from gpuid_agent.runtime import log
-from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.health.model import Transition
 from gpuid_agent.state.health.workloads import holder_dict
 from gpuid_agent.state.snapshot import NodeSnapshot
@@ -30,15 +29,8 @@ def health_record(
     current, previous = transition.current, transition.previous
     return to_wire(
         HealthRecord(
-            schema_version=SCHEMA_VERSION,
             kind="health",
-            cluster=inventory.cluster,
-            node=inventory.node,
-            machine=inventory.machine,
-            source=source,
-            chassis=(gpu.chassis_serial if gpu else None) or "",
-            gpu=(gpu.serial if gpu else None) or "",
-            read_time=rfc3339(current.since),
+            **header(inventory, gpu, source=source, read_time=rfc3339(current.since)),
             uuid=transition.uuid,
             index=transition.index,
             check=transition.check,
@@ -48,7 +40,6 @@ def health_record(
             reason=current.reason,
             since=rfc3339(current.since),
             gpu_state=transition.gpu_state,
-            machine_source=inventory.machine_source,
             holders=tuple(holder_dict(h) for h in transition.holders),
         )
     )
@@ -64,8 +55,8 @@ def health_records(
     ]
 
 
-class HealthPublisher:
-    """Queue of health records drained into the pipeline by a supervised task."""
+class HealthPublisher(Emitter):
+    """Queue of health records, drained into the pipeline in one batch per flush."""
 
     def __init__(
         self,
@@ -78,15 +69,10 @@ class HealthPublisher:
         self._source = source
         self._queue: deque[Record] = deque()
         self._limit = limit
-        self._wake = asyncio.Event()
-        self._stopping = False
         self.dropped = 0
 
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
-
-    def offer(self, records: Iterable[Record]) -> None:
+    def note(self, snapshot: NodeSnapshot) -> None:
+        records = health_records(snapshot.transitions, snapshot.inventory, source=self._source)
         for record in records:
             if len(self._queue) >= self._limit:
                 self._queue.popleft()
@@ -96,33 +82,9 @@ class HealthPublisher:
                         "health records dropped: queue full", extra={"dropped": self.dropped}
                     )
             self._queue.append(record)
-        self._wake.set()
 
-    async def _drain(self) -> None:
-        while self._queue:
+    async def flush(self) -> None:
+        if self._queue:
             batch = list(self._queue)
             self._queue.clear()
             await self._publish(batch)
-
-    async def run(self, subscription: Subscription | None = None) -> None:
-        """With an `events=True` subscription, every snapshot's transitions become records
-        (`source` as given to the constructor); the bus closing stops the publisher."""
-        if subscription is None:
-            await self._loop()
-        else:
-            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
-
-    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
-        self.offer(health_records(snapshot.transitions, snapshot.inventory, source=self._source))
-
-    async def _loop(self) -> None:
-        while not self._stopping:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._drain()
-        await self._drain()
-
-    def stop(self) -> None:
-        """Publish what is queued, then return."""
-        self._stopping = True
-        self._wake.set()

@@ -6,17 +6,14 @@ retried, spooled or re-sent after a restart keeps its id and sinks can deduplica
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
-from gpuid_agent.records.consume import follow
+from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
-from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord
+from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord, header
 from gpuid_agent.runtime import log
-from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.inventory import diff
 from gpuid_agent.state.snapshot import NodeSnapshot
 
@@ -36,15 +33,10 @@ def reading_record(
     """`read_time` is the inventory's, formatted once by the caller for a whole node."""
     return to_wire(
         ReadingRecord(
-            schema_version=SCHEMA_VERSION,
             kind="reading",
-            cluster=inventory.cluster,
-            node=inventory.node,
-            machine=inventory.machine,
-            source=source,
-            chassis=gpu.chassis_serial or "",
-            gpu=gpu.serial or "",
-            read_time=read_time or rfc3339(inventory.read_time),
+            **header(
+                inventory, gpu, source=source, read_time=read_time or rfc3339(inventory.read_time)
+            ),
             uuid=gpu.uuid,
             index=gpu.index,
             model=gpu.name,
@@ -52,7 +44,6 @@ def reading_record(
             module_id=gpu.module_id,
             board_part_number=gpu.board_part_number,
             driver_version=inventory.driver_version,
-            machine_source=inventory.machine_source,
             mig_devices=tuple(m.uuid for m in gpu.mig_devices),
             reason=reason,
             change=change,
@@ -89,12 +80,11 @@ def reading_records(
     return records
 
 
-class ReadingEmitter:
+class ReadingEmitter(Emitter):
     """Turns snapshots into records: on start, on any change, and every heartbeat interval.
 
-    Snapshots arrive through `offer` (never blocks the collector); the emitter keeps only the
-    latest, so under backpressure from a slow exporter intermediate states coalesce into the
-    final one instead of piling up.
+    Only the latest snapshot's inventory counts: under backpressure from a slow exporter,
+    intermediate states coalesce into the final one instead of piling up.
     """
 
     def __init__(
@@ -112,15 +102,12 @@ class ReadingEmitter:
         self._latest: NodeInventory | None = None
         self._emitted: NodeInventory | None = None
         self._last_emit = 0.0
-        self._wake = asyncio.Event()
-        self._stopping = False
 
-    def offer(self, inventory: NodeInventory) -> None:
-        self._latest = inventory
-        self._wake.set()
+    def note(self, snapshot: NodeSnapshot) -> None:
+        self._latest = snapshot.inventory
 
     def due(self, inventory: NodeInventory) -> list[Record]:
-        """Records owed for this snapshot now (empty when nothing changed and no heartbeat)."""
+        """Records owed for this inventory now (empty when nothing changed and no heartbeat)."""
         changes = diff(self._emitted, inventory)
         first = self._emitted is None
         heartbeat = self._clock() - self._last_emit >= self._heartbeat
@@ -135,7 +122,7 @@ class ReadingEmitter:
             inventory, source=self._source, reason=reason, changed=changed, removed=removed
         )
 
-    async def _step(self) -> None:
+    async def flush(self) -> None:
         inventory = self._latest
         if inventory is None:
             return
@@ -148,31 +135,8 @@ class ReadingEmitter:
             _log.debug("emitting readings", extra={"count": len(records)})
             await self._publish(records)
 
-    async def run(self, subscription: Subscription | None = None) -> None:
-        """Emit until stopped; with a subscription, each snapshot's inventory is offered and
-        the bus closing stops the emitter (after what the last snapshot owes)."""
-        if subscription is None:
-            await self._loop()
-        else:
-            await follow(subscription, self._offer_snapshot, self.stop, self._loop)
-
-    def _offer_snapshot(self, snapshot: NodeSnapshot) -> None:
-        self.offer(snapshot.inventory)
-
-    async def _loop(self) -> None:
-        while not self._stopping:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self._time_to_heartbeat())
-            self._wake.clear()
-            await self._step()
-        await self._step()  # the snapshot offered while the last publish was blocked
-
-    def stop(self) -> None:
-        """Finish the current publish, emit what the latest snapshot still owes, then return."""
-        self._stopping = True
-        self._wake.set()
-
-    def _time_to_heartbeat(self) -> float | None:
+    def next_tick(self) -> float | None:
+        """The next heartbeat (none before the first emission)."""
         if self._emitted is None:
             return None
         return max(0.0, self._heartbeat - (self._clock() - self._last_emit))

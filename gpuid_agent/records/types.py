@@ -8,10 +8,51 @@ are not fields here; an allocation's id hashes (allocation_id, event) and is car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
+
+from gpuid_agent.model import GpuIdentity, NodeInventory
 
 SCHEMA_VERSION = 1
 Kind = Literal["reading", "allocation", "health", "hardware"]
+
+
+class Header(TypedDict):
+    """The fields every record kind carries besides `kind` (each type keeps them in its own
+    wire order, so they are declared in each, not inherited)."""
+
+    schema_version: int
+    cluster: str
+    node: str
+    machine: str
+    machine_source: str
+    source: str
+    chassis: str
+    gpu: str
+    read_time: str
+
+
+def header(
+    inventory: NodeInventory,
+    gpu: GpuIdentity | None,
+    *,
+    source: str,
+    read_time: str,
+    cluster: str | None = None,
+    node: str | None = None,
+) -> Header:
+    """The header of a record about `gpu` (None: the node, or a GPU no longer there) on the node
+    of `inventory`; `cluster` and `node` default to the inventory's."""
+    return Header(
+        schema_version=SCHEMA_VERSION,
+        cluster=inventory.cluster if cluster is None else cluster,
+        node=inventory.node if node is None else node,
+        machine=inventory.machine,
+        machine_source=inventory.machine_source,
+        source=source,
+        chassis=(gpu.chassis_serial if gpu else None) or "",
+        gpu=(gpu.serial if gpu else None) or "",
+        read_time=read_time,
+    )
 
 
 @dataclass(frozen=True, slots=True)

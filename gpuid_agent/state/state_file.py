@@ -1,5 +1,6 @@
-"""The small state files the record emitters keep under STATE_DIR, written so that a crash
-(SIGKILL, power loss) leaves either the old file or the new one, never a torn one."""
+"""The small state files the agent keeps under STATE_DIR (open allocations, GPU serials per
+slot), written so that a crash (SIGKILL, power loss) leaves either the old file or the new one,
+never a torn one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+# A record as the exporters received it; state files keep those they owe (and open allocations'
+# starts) in that form, so a restarted agent sends them again with the same ids.
+WireRecord = dict[str, Any]
 
 
 def write_atomically(path: Path, payload: bytes) -> None:

@@ -1,0 +1,180 @@
+"""The allocations open on this node, what started and ended since the last look, and the
+state file that keeps them across restarts.
+
+An open allocation is kept as its start record, as the exporters received it: its end repeats
+the start's fields (the GPU may be gone by then), and the state file has always held those
+records. This module reads only the fields that identify an allocation; `records/allocations.py`
+writes them.
+
+Restarts: open allocations are kept in `<STATE_DIR>/allocations.json`. The first current
+attribution after a restart is compared with that file: what is still there stays open (no
+second start); what is gone ended while the agent was down (`observed` false), and its end
+carries the file's `saved_at` as when it was last known open. The records a change owes are
+kept in the file as `pending` until every exporter's spool holds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from gpuid_agent.runtime import log
+from gpuid_agent.state.attribution import Allocation, Attribution
+from gpuid_agent.state.state_file import WireRecord, write_atomically
+
+_log = log.get("allocations")
+STATE_FILE = "allocations.json"
+STATE_VERSION = 1
+# Key of an allocation while it is open: one device id of one container.
+Key = tuple[str, str, str, str, str]
+_KEY_FIELDS = ("namespace", "pod", "container", "resource_name", "device_id")
+
+
+def allocation_key(a: Allocation) -> Key:
+    h = a.holder
+    return (h.namespace, h.pod, h.container, a.resource_name, a.device_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    key: Key
+    allocation: Allocation
+    observed: bool  # False: already there when the agent started, with no state file to tell
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    start: WireRecord
+    observed: bool  # False: it ended while the agent was down
+    last_seen_at: str | None  # when an unseen end was last known open
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationChanges:
+    ended: tuple[Ended, ...]
+    started: tuple[Started, ...]
+
+
+class OpenAllocations:
+    """The open set, diffed against each current attribution, saved with the records it owes.
+
+    `stamp` gives the time a save records as `saved_at`, in the records' own format (an end
+    that was not seen carries it as `last_seen_at`).
+    """
+
+    def __init__(self, node: str, state_dir: str = "", *, stamp: Callable[[], str]) -> None:
+        self.node = node
+        self._stamp = stamp
+        self.path = Path(state_dir) / STATE_FILE if state_dir else None
+        self.open: dict[Key, WireRecord] = {}
+        self.pending: list[WireRecord] = []  # owed by the saved open set, not yet in every spool
+        self._restored = False
+        self._restored_saved_at = ""
+        self._first = True
+        self._load()
+
+    def update(self, attribution: Attribution) -> AllocationChanges | None:
+        """What ended and started since the last current attribution; the ended leave the open
+        set, the started join it once `opened` is given their start. Only a current
+        attribution counts (None otherwise): a stale or missing mapping ends nothing."""
+        if attribution.state != "current":
+            return None
+        first, restored = self._first, self._restored
+        self._first = False
+        current: dict[Key, Allocation] = {}
+        for a in attribution.allocations:
+            current.setdefault(allocation_key(a), a)
+        ended: list[Ended] = []
+        for key, start in list(self.open.items()):
+            held = current.get(key)
+            same_pod = held is not None and (
+                not held.holder.pod_uid
+                or not start.get("pod_uid")
+                or held.holder.pod_uid == start["pod_uid"]
+            )
+            if not same_pod:
+                # Seen gone on the first look after a restart: it ended while we were down.
+                observed = not (first and restored)
+                last_seen = None if observed else (self._restored_saved_at or None)
+                ended.append(Ended(start, observed, last_seen))
+                del self.open[key]
+        # Found at start-up without a state file to tell: the start was not seen.
+        started = tuple(
+            Started(key, a, observed=not first)
+            for key, a in current.items()
+            if key not in self.open
+        )
+        return AllocationChanges(tuple(ended), started)
+
+    def opened(self, key: Key, start: WireRecord) -> None:
+        self.open[key] = start
+
+    # ---- state file ------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            _log.warning("cannot read allocation state", extra={"error": str(exc)})
+            return
+        try:
+            state = orjson.loads(raw)
+            if state.get("version") != STATE_VERSION or state.get("node") != self.node:
+                raise ValueError("state file is for another version or node")
+            records = [r for r in state["open"] if isinstance(r, dict)]
+            opened = {_record_key(r): r for r in records}
+            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # A damaged file must not stop the agent: start over, as without STATE_DIR.
+            _log.warning(
+                "ignoring unreadable allocation state",
+                extra={"path": str(self.path), "error": str(exc)},
+            )
+            return
+        self.open, self.pending = opened, pending
+        self._restored = True
+        self._restored_saved_at = str(state.get("saved_at") or "")
+        _log.info("restored open allocations", extra={"count": len(opened)})
+
+    def _state_bytes(self) -> bytes:
+        return orjson.dumps(
+            {
+                "version": STATE_VERSION,
+                "node": self.node,
+                "saved_at": self._stamp(),
+                "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
+                "pending": self.pending,
+            },
+            option=orjson.OPT_SORT_KEYS,
+        )
+
+    async def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            await asyncio.to_thread(write_atomically, self.path, self._state_bytes())
+        except OSError as exc:
+            _log.warning("cannot save allocation state", extra={"error": str(exc)})
+
+    async def refresh(self) -> None:
+        """Re-save while allocations are open, so that after a crash `last_seen_at` bounds when
+        an allocation that vanished meanwhile was last known to be open."""
+        if self.open and not self._first:
+            await self.save()
+
+
+def _record_key(record: WireRecord) -> Key:
+    values = tuple(record[f] for f in _KEY_FIELDS)
+    if not all(isinstance(v, str) for v in values) or not isinstance(
+        record.get("allocation_id"), str
+    ):
+        raise ValueError("malformed open allocation")
+    return values
