@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from gpuid_agent.model import NodeInventory
-from gpuid_agent.node.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
+from gpuid_agent.node.labels.reconciler import COMPONENT, LabelledNode, NodeLabeler
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
@@ -73,7 +73,7 @@ class NodeLabelling:
         )
         spawn(COMPONENT, self.labeler.run())
 
-    def _seen(self, node: NodeSnapshot) -> None:
+    def _seen(self, node: LabelledNode) -> None:
         self.use_provider_id(node.provider_id)
 
     def use_provider_id(self, provider_id: str) -> None:
