@@ -6,10 +6,10 @@ from __future__ import annotations
 import io
 
 import orjson
+from gpuid_agent.simulate.environment import SimulatedNode, node_environment
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.simulate.environment import SimulatedNode, node_environment
 from gpuid_agent.sources.host import HostNode
 from gpuid_agent.sources.kubelet import PodResourcesClient
 from tests.conftest import eventually, running_agent, settings
