@@ -133,7 +133,7 @@ async def _run_once(fake: FakeNvml, config: fakenvml.FakeNvmlConfig, state: Path
     async with running_agent(agent):
         await eventually(lambda: agent.hardware.slots is not None)
         await eventually(lambda: not agent.hardware.pending and (state / "hardware.json").exists())
-        await eventually(lambda: agent.collector.inventory is not None)
+        await eventually(lambda: agent.bus.latest is not None)
     rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
     return [r for r in rows if r["kind"] == "hardware"]
 

@@ -215,8 +215,8 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
     )
     async with running_agent(agent):
         await eventually(lambda: b'pod="idle"' in agent.renderer.current().text)
-        seq = agent.collector.last.seq if agent.collector.last else 0
-        await eventually(lambda: agent.collector.last and agent.collector.last.seq > seq + 20)
+        seq = agent.bus.latest.seq if agent.bus.latest else 0
+        await eventually(lambda: agent.bus.latest and agent.bus.latest.seq > seq + 20)
         assert agent.collector.stalled() is None
         text = await scrape(agent, "/gpu/metrics")
         assert "gpuid_gpu_holder_" not in text and "gpuid_gpu_unattributed_" not in text
