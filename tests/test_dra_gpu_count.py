@@ -129,7 +129,12 @@ async def test_the_device_plugin_count_wins_when_it_has_gpus(
         kube.create(node_slice(config))
         agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
         async with running_agent(agent):
-            await eventually(lambda: agent.bus.latest.expected_gpus == (1, "kubelet allocatable"))
+            await eventually(
+                lambda: (
+                    (last := agent.bus.latest) is not None
+                    and last.expected_gpus == (1, "kubelet allocatable")
+                )
+            )
             await eventually(lambda: agent.attributor.dra_gpu_count() == 3)
             status = orjson.loads(await get(agent, "/status"))
             assert status["health"]["expected_gpus"]["source"] == "kubelet allocatable"
