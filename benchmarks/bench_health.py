@@ -17,12 +17,16 @@ from gpuid_agent.model import GpuIdentity
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
 from gpuid_agent.sources.nvml.source import NvmlSource
+from gpuid_agent.state.attribution.model import UNAVAILABLE
+from gpuid_agent.state.health.model import NodeHealth
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.snapshot import NodeSnapshot
 
 GPUS = 8
 
@@ -111,15 +115,24 @@ def _render_cost() -> tuple[float, float, int, int]:
     tracker.observe(reading.gpus, signals, {}, expected_gpus=GPUS)
     health = tracker.snapshot()
 
+    renderer = MetricsRenderer("prometheus", (), None)
+
     def timed(with_health: bool) -> tuple[float, int]:
+        snapshot = NodeSnapshot(
+            seq=1,
+            cause="collection",
+            inventory=inventory,
+            samples=reading.samples,
+            health=health if with_health else NodeHealth(),
+            attribution=UNAVAILABLE,
+        )
         samples, size = [], 0
         for _ in range(200):
             started = time.perf_counter()
-            out = gpu_metrics.render(
-                inventory, reading.samples, "prometheus", health if with_health else None
-            )
+            # what the renderer does for each snapshot, in its thread: families, then text
+            out = gpu_metrics.expose(renderer.families(snapshot), "text")
             samples.append(time.perf_counter() - started)
-            size = len(out.text)
+            size = len(out)
         return median(samples) * 1e3, size
 
     plain, plain_size = timed(False)
@@ -145,21 +158,28 @@ async def _xid_latency() -> list[float]:
     await agent.start()
     latencies = []
     try:
-        while not agent.xid.alive or agent.xid.unavailable:  # noqa: ASYNC110 - polled state
+        xid = agent.collector.health.xid
+        while not xid.alive or xid.unavailable:  # noqa: ASYNC110 - polled state
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # the watcher registers the GPUs
         for n in range(40):
             gpu = n % GPUS
-            before = agent.health.snapshot().gpus[gpu].xid_counts.get(13, 0)
+            before = xid_13_count(agent, gpu)
             started = time.perf_counter()
             api.inject_xid(gpu, 13)
             # polling in 0.5 ms steps is the measurement (it adds up to 0.5 ms)
-            while agent.health.snapshot().gpus[gpu].xid_counts.get(13, 0) == before:  # noqa: ASYNC110
+            while xid_13_count(agent, gpu) == before:  # noqa: ASYNC110
                 await asyncio.sleep(0.0005)
             latencies.append(time.perf_counter() - started)
     finally:
         await agent.stop()
     return latencies
+
+
+def xid_13_count(agent: Agent, gpu: int) -> int:
+    """XID 13s on a GPU as the agent last published them (the snapshot every consumer reads)."""
+    last = agent.bus.latest
+    return 0 if last is None else last.health.gpus[gpu].xid_counts.get(13, 0)
 
 
 async def run() -> list[Row]:

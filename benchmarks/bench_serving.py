@@ -90,7 +90,15 @@ FIELDS = gpu_metrics.FIELDS
 OPTIONS = gpu_metrics.RenderOptions(workload_labels=True)
 
 
-def _render_both(snap: NodeSnapshot) -> gpu_metrics.RenderedMetrics:
+@dataclasses.dataclass(frozen=True, slots=True)
+class RenderedBoth:
+    """Both formats of one snapshot, as the old approach rendered them."""
+
+    text: bytes
+    openmetrics: bytes
+
+
+def _render_both(snap: NodeSnapshot) -> RenderedBoth:
     """What each snapshot cost before: families, prometheus_client text and OpenMetrics."""
     families = gpu_metrics.collect(
         snap.inventory,
@@ -101,12 +109,10 @@ def _render_both(snap: NodeSnapshot) -> gpu_metrics.RenderedMetrics:
         options=OPTIONS,
     )
     registry = gpu_metrics.as_registry(families)
-    return gpu_metrics.RenderedMetrics(
-        generate_latest(registry), gpu_metrics.expose(families, "openmetrics")
-    )
+    return RenderedBoth(generate_latest(registry), gpu_metrics.expose(families, "openmetrics"))
 
 
-def _render_on_loop(snap: NodeSnapshot) -> gpu_metrics.RenderedMetrics:
+def _render_on_loop(snap: NodeSnapshot) -> RenderedBoth:
     return _render_both(snap)
 
 
@@ -186,7 +192,7 @@ class _OnLoop:
     """The old approach: each snapshot rendered on the event loop."""
 
     def __init__(self) -> None:
-        self.rendered = gpu_metrics.EMPTY
+        self.rendered = RenderedBoth(text=b"", openmetrics=b"# EOF\n")
         self.seq = 0
         self.renders = 0
         self.openmetrics_offered = True

@@ -19,7 +19,6 @@ from aiohttp import web
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import Exporter
-from gpuid_agent.model import NodeInventory
 from gpuid_agent.node.conditions import NodeConditionWriter
 from gpuid_agent.node.labels.service import NodeLabelling
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
@@ -37,7 +36,13 @@ from gpuid_agent.serving.app import build_app
 from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.serving.status_page import StatusPage
 from gpuid_agent.setup.delivery import build_delivery, otlp_metrics_push
-from gpuid_agent.simulate.environment import node_environment
+from gpuid_agent.setup.environment import node_environment
+from gpuid_agent.setup.node import (
+    attribution_config,
+    collector_config,
+    labelling_config,
+    status_config,
+)
 from gpuid_agent.sources.kube.client import KubeClient, open_shared_client, request_counter
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
@@ -80,25 +85,23 @@ class Agent:
         s = self.settings = settings
         node = s.effective_node_name()
         self.metrics, self.board, self.supervisor = AgentMetrics(), StatusBoard(), Supervisor()
-        self.registry, self.bus = self.metrics.registry, SnapshotBus()
+        self.bus = SnapshotBus()
         self.environment = node_environment(s, nvml_api)
         self.pipeline = build_delivery(s, self.metrics, exporters)
         self.identity = NodeIdentity(node, s.cluster_name, *self.environment.machine())
         self.source = f"{s.pod_namespace}/{s.pod_name}" if s.pod_name else f"gpuid-agent/{node}"
-        self.attributor, self.pods = build_attributor(
-            s, self.environment.pod_resources_socket, self.board, self.metrics.attribution
-        )
-        self.pod_resources = self.attributor.source
         env = self.environment
+        self.attributor, self.pods = build_attributor(
+            attribution_config(s), env.pod_resources_socket, self.board, self.metrics.attribution
+        )
         if env.pod_directory is not None:  # a simulated node's pods, without an API server
             self.attributor.pods, self.pods = env.pod_directory, None
         nvml = NvmlSource(env.nvml_api, call_timeout=s.effective_stall_timeout())
         processes = ProcessTracker(enabled=env.process_attribution, host_proc=env.host_proc)
         self.collector = Collector(
-            s, self.identity, nvml, self.attributor, self.bus,
+            collector_config(s), self.identity, nvml, self.attributor, self.bus,
             metrics=self.metrics, board=self.board, processes=processes,
         )  # fmt: skip
-        self.health, self.xid = self.collector.health, self.collector.health.xid
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
         # None unless OTEL_METRICS_EXPORTER=otlp: only then is opentelemetry-proto loaded
         self.otlp_metrics: OtlpMetricsPush | None = otlp_metrics_push(
@@ -119,11 +122,14 @@ class Agent:
             publish_durable=self.pipeline.publish_durable,
             state_dir=s.state_dir,
         )
-        self.labelling = NodeLabelling(s, node, self.metrics, self.board, self.identity.use_machine)
+        self.labelling = NodeLabelling(
+            labelling_config(s), node, self.metrics, self.board, self.identity.use_machine
+        )
         self.conditions = NodeConditionWriter(node, self.board) if s.node_conditions else None
         self.page = StatusPage(
-            s, board=self.board, supervisor=self.supervisor, collector=self.collector,
-            pipeline=self.pipeline, metrics=self.metrics,
+            status_config(s, env), identity=self.identity, bus=self.bus,
+            stalled=self.collector.stalled, board=self.board, supervisor=self.supervisor,
+            pipeline=self.pipeline, metrics=self.metrics, attribution=self.attributor,
             parts={
                 "labels": self.labelling,
                 "pods": self.pods,
@@ -135,16 +141,8 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
 
-    @property
-    def inventory(self) -> NodeInventory | None:
-        return self.collector.inventory
-
-    @property
-    def machine(self) -> str:
-        return self.identity.machine
-
     async def _serve(self) -> None:
-        served = exposition_registry(self.registry, self.settings.metrics_created_series)
+        served = exposition_registry(self.metrics.registry, self.settings.metrics_created_series)
         app = build_app(self.page, self.renderer, served)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -184,9 +182,7 @@ class Agent:
         spawn(
             "labels-feed", bus.subscribe("labels").feed(lambda n: self.labelling.offer(n.inventory))
         )
-        if self.pods is not None and kube is None:
-            self.pods.no_api("no Kubernetes API configuration found")
-        elif self.pods is not None and await self.pods.open(kube):
+        if self.pods is not None and self.pods.open(kube):
             spawn("pods", self.pods.run())
         if (slices := self.attributor.slices) is not None:
             local = self.environment.resource_slices()
@@ -194,7 +190,7 @@ class Agent:
                 slices.load(local, "the simulated node's DRA driver")
             elif slices.open(kube):
                 spawn("resourceslices", slices.run())
-        spawn("pod-resources", self.pod_resources.run())
+        spawn("pod-resources", self.attributor.source.run())
         spawn("attribution", self.collector.follow_attribution())
         if (conditions := self.conditions) is not None and conditions.open(kube):
             spawn("node-conditions", conditions.run())
@@ -250,9 +246,9 @@ class Agent:
             await worker.exporter.close()
         if self.otlp_metrics is not None:
             await self.otlp_metrics.close()
-        await self.health.close(min(left(), 2.0))
+        await self.collector.health.close(min(left(), 2.0))
         await self.collector.nvml.close(max(0.5, min(left(), 2.0)))
-        await self.pod_resources.client.close()
+        await self.attributor.source.client.close()
         if self.kube is not None:
             await self.kube.close()
         await self.environment.stop()

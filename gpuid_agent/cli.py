@@ -114,7 +114,7 @@ def _run(settings: Settings) -> int:
 
 
 def _inventory(settings: Settings, as_json: bool) -> int:
-    from gpuid_agent.simulate.environment import node_environment
+    from gpuid_agent.setup.environment import node_environment
     from gpuid_agent.sources.nvml.source import NvmlSource
 
     async def read() -> Any:

@@ -13,6 +13,7 @@ import pytest
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.runtime.config import Settings, load_settings
+from gpuid_agent.state.health.model import NodeHealth
 
 # The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
 pytest_plugins = ["tests.servers.fixtures"]
@@ -55,6 +56,13 @@ async def running_agent(agent: Agent) -> AsyncIterator[Agent]:
         yield agent
     finally:
         await agent.stop()
+
+
+def node_health(agent: Agent) -> NodeHealth:
+    """GPU health as the agent last published it (what /gpu/metrics, Node conditions and
+    health records read); empty before the first snapshot."""
+    last = agent.bus.latest
+    return NodeHealth() if last is None else last.health
 
 
 async def eventually(check: Callable[[], Any], within: float = 10.0, step: float = 0.02) -> Any:

@@ -9,7 +9,8 @@ import orjson
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.simulate.environment import SimulatedNode, node_environment
+from gpuid_agent.setup.environment import node_environment
+from gpuid_agent.simulate.node import SimulatedNode
 from gpuid_agent.sources.host import HostNode
 from gpuid_agent.sources.kubelet import PodResourcesClient
 from tests.conftest import eventually, running_agent, settings
@@ -41,7 +42,7 @@ async def test_every_consumer_reads_the_same_snapshot() -> None:
 async def test_gauges_are_current_although_nobody_probes() -> None:
     s = settings(simulate="gb200x4")
     async with running_agent(Agent(s, exporters=[StdoutExporter(io.BytesIO())])) as agent:
-        registry = agent.registry
+        registry = agent.metrics.registry
 
         def ready() -> bool:
             ok = registry.get_sample_value("gpuid_health_check_success") == 1

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.kube.client import create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.sources.kube.pods import PodCache
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
@@ -38,6 +38,15 @@ async def kube() -> AsyncIterator[FakeKube]:
 @pytest.fixture
 def kubeconfig(kube: FakeKube, tmp_path: Path) -> Path:
     return write_kubeconfig(tmp_path / "kubeconfig", kube.url, token="t0ken")
+
+
+@pytest.fixture
+async def client(kubeconfig: Path) -> AsyncIterator[KubeClient]:
+    """The API client the agent would share with its pod cache."""
+    found = await create_kube_client("auto", environ={"KUBECONFIG": str(kubeconfig)})
+    assert found is not None
+    yield found
+    await found.close()
 
 
 def workloads(kube: FakeKube) -> dict[str, dict[str, Any]]:
@@ -73,15 +82,12 @@ def pod_requests(kube: FakeKube) -> int:
     return sum(1 for r in kube.requests if any(part in r.path for part in owners))
 
 
-def cache_for(kubeconfig: Path, **kwargs: Any) -> PodCache:
-    async def factory(mode: str) -> Any:
-        return await create_kube_client(mode, environ={"KUBECONFIG": str(kubeconfig)})
-
-    return PodCache(NODE, client_factory=factory, label_allowlist=["team", "absent"], **kwargs)
+def cache_for(**kwargs: Any) -> PodCache:
+    return PodCache(NODE, label_allowlist=["team", "absent"], **kwargs)
 
 
-async def running(cache: PodCache) -> asyncio.Task[None]:
-    assert await cache.open()
+async def running(cache: PodCache, client: KubeClient) -> asyncio.Task[None]:
+    assert cache.open(client)
     task = asyncio.create_task(cache.run())
     await eventually(lambda: cache.ready)
     return task
@@ -90,13 +96,12 @@ async def running(cache: PodCache) -> asyncio.Task[None]:
 async def stop(cache: PodCache, task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await cache.close()
 
 
-async def test_owner_walking_and_node_scope(kube: FakeKube, kubeconfig: Path) -> None:
+async def test_owner_walking_and_node_scope(kube: FakeKube, client: KubeClient) -> None:
     pods = workloads(kube)
-    cache = cache_for(kubeconfig)
-    task = await running(cache)
+    cache = cache_for()
+    task = await running(cache, client)
     try:
         want = {
             "web-7d4b9c8f6d-abcde": ("Deployment", "web"),
@@ -125,12 +130,12 @@ async def test_owner_walking_and_node_scope(kube: FakeKube, kubeconfig: Path) ->
 
 
 async def test_watch_follows_changes_and_resumes_after_410(
-    kube: FakeKube, kubeconfig: Path
+    kube: FakeKube, client: KubeClient
 ) -> None:
     sts = kube.create(objects.statefulset("db"))
     kube.create(objects.pod("db-0", node_name=NODE, owners=[objects.owner(sts)]))
-    cache = cache_for(kubeconfig, watch_timeout=30)
-    task = await running(cache)
+    cache = cache_for(watch_timeout=30)
+    task = await running(cache, client)
     try:
         cache.changed.clear()
         kube.create(objects.pod("db-1", node_name=NODE, owners=[objects.owner(sts)]))
@@ -164,11 +169,11 @@ async def test_watch_follows_changes_and_resumes_after_410(
 
 
 async def test_forbidden_list_leaves_the_kubelet_alone_in_charge(
-    kube: FakeKube, kubeconfig: Path
+    kube: FakeKube, client: KubeClient
 ) -> None:
     kube.inject(403, verb="list", times=1000, message="pods is forbidden")
-    cache = cache_for(kubeconfig, backoff_max=0.05)
-    task = await running(cache)
+    cache = cache_for(backoff_max=0.05)
+    task = await running(cache, client)
     try:
         state = cache.board.get("kube-pods")
         # unavailable at first; a retry (full jitter: possibly at once) may say degraded
@@ -184,12 +189,12 @@ async def test_forbidden_list_leaves_the_kubelet_alone_in_charge(
 
 
 async def test_forbidden_replicaset_read_still_names_the_deployment(
-    kube: FakeKube, kubeconfig: Path
+    kube: FakeKube, client: KubeClient
 ) -> None:
     kube.inject(403, verb="get", path=re.compile(r".*/replicasets/.*"), times=100)
     pods = workloads(kube)
-    cache = cache_for(kubeconfig)
-    task = await running(cache)
+    cache = cache_for()
+    task = await running(cache, client)
     try:
         meta = cache.lookup("default", "web-7d4b9c8f6d-abcde")
         assert meta is not None and (meta.workload_kind, meta.workload_name) == (
@@ -205,12 +210,9 @@ async def test_forbidden_replicaset_read_still_names_the_deployment(
         await stop(cache, task)
 
 
-async def test_no_configuration_means_ready_without_the_api(tmp_path: Path) -> None:
-    async def none(mode: str) -> None:
-        return None
-
-    cache = PodCache(NODE, client_factory=none)
-    assert not await cache.open()
+async def test_no_configuration_means_ready_without_the_api() -> None:
+    cache = PodCache(NODE)
+    assert not cache.open(None)
     assert cache.ready and cache.lookup("default", "x") is None
     state = cache.board.get("kube-pods")
     assert state is not None and state.state == "unavailable"

@@ -22,7 +22,7 @@ async def test_simulated_mig_node_has_pods_on_a_shared_gpu_and_mig_devices() -> 
         settings(simulate="mig", pod_resources_interval=0.05), exporters=[StdoutExporter(out)]
     )
     async with running_agent(agent):
-        socket_path = agent.pod_resources.client.socket_path
+        socket_path = agent.environment.pod_resources_socket
         await eventually(lambda: rendered_with_pods(agent))
         async with (
             aiohttp.ClientSession() as http,

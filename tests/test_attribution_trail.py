@@ -164,7 +164,7 @@ async def test_an_unreachable_kubelet_ends_nothing(
         await eventually(lambda: allocations(out))
         await kubelet.stop()
         await eventually(lambda: agent.attributor.current.state == "unavailable")
-        failures = agent.pod_resources.status()
+        failures = agent.page.status()["attribution"]["kubelet"]
         assert failures["stale"] is True
         kubelet.pods = []
         await kubelet.start()

@@ -18,7 +18,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.kube.resourceslices import slice_devices
 from gpuid_agent.state.attribution.dra import slice_gpu_count
 from tests import conftest
-from tests.conftest import eventually, running_agent
+from tests.conftest import eventually, node_health, running_agent
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
@@ -95,7 +95,7 @@ async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
         async with running_agent(agent):
 
             def count_check() -> Any:
-                return agent.health.snapshot().node_checks.get("gpu_count")
+                return node_health(agent).node_checks.get("gpu_count")
 
             await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
             status = orjson.loads(await get(agent, "/status"))
@@ -129,7 +129,12 @@ async def test_the_device_plugin_count_wins_when_it_has_gpus(
         kube.create(node_slice(config))
         agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
         async with running_agent(agent):
-            await eventually(lambda: agent.health.expected == (1, "kubelet allocatable"))
+            await eventually(
+                lambda: (
+                    (last := agent.bus.latest) is not None
+                    and last.expected_gpus == (1, "kubelet allocatable")
+                )
+            )
             await eventually(lambda: agent.attributor.dra_gpu_count() == 3)
             status = orjson.loads(await get(agent, "/status"))
             assert status["health"]["expected_gpus"]["source"] == "kubelet allocatable"
@@ -144,7 +149,7 @@ async def test_simulated_dra_node_with_a_lost_gpu() -> None:
     async with running_agent(agent):
         check = await eventually(
             lambda: (
-                (c := agent.health.snapshot().node_checks.get("gpu_count")) is not None
+                (c := node_health(agent).node_checks.get("gpu_count")) is not None
                 and c.state == "unhealthy"
                 and c
             )

@@ -20,6 +20,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
@@ -28,7 +29,9 @@ from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.reader import NvmlReader
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import attribute
+from gpuid_agent.state.health.model import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.snapshot import NodeSnapshot
 from tests import fakenvml
 from tests.conftest import eventually, running_agent
 from tests.conftest import settings as agent_settings
@@ -247,14 +250,18 @@ def test_hostile_pod_values_render_and_parse_back(
     attribution = attribute(
         inventory, snapshot, pods=lambda ns, p: meta.get((ns, p)), label_allowlist=allow
     )
-    options = gpu_metrics.RenderOptions(
-        workload_labels=True, pod_labels=gpu_metrics.pod_label_columns(allow)
-    )
+    renderer = MetricsRenderer(naming, allow, pods=meta)  # a pod directory: workload labels
     sample = GpuSample(uuid, {"temperature_celsius": 40.0})
-    rendered = gpu_metrics.render(
-        inventory, {uuid: sample}, naming, attribution=attribution, options=options
+    node = NodeSnapshot(
+        seq=1,
+        cause="collection",
+        inventory=inventory,
+        samples={uuid: sample},
+        health=NodeHealth(),
+        attribution=attribution,
     )
-    families = {f.name: f for f in text_string_to_metric_families(rendered.text.decode())}
+    text = gpu_metrics.expose(renderer.families(node), "text")
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     name = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "gpuid_gpu_allocation_info"
     series = families[name].samples
 

@@ -145,7 +145,7 @@ async def _run_once(fake: FakeNvml, config: fakenvml.FakeNvmlConfig, state: Path
         await eventually(
             lambda: agent.hardware.status()["pending"] == 0 and (state / "hardware.json").exists()
         )
-        await eventually(lambda: agent.collector.inventory is not None)
+        await eventually(lambda: agent.bus.latest is not None)
     rows = [orjson.loads(line) for line in out.getvalue().splitlines()]
     return [r for r in rows if r["kind"] == "hardware"]
 

@@ -14,7 +14,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.node.conditions import MESSAGE_LIMIT, desired_conditions
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.state.health.model import CheckStatus, GpuHealth, NodeHealth
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import eventually, node_health, running_agent, settings
 from tests.fakekube import FakeKube, write_kubeconfig
 
 STATUS_PATH = "/api/v1/nodes/node-a/status"
@@ -65,16 +65,21 @@ async def test_unhealthy_gpu_raises_a_condition_once_and_clears_a_stale_one(
         await eventually(lambda: _conditions(kube).get("GpuXidError", {}).get("status") == "True")
         xid = _conditions(kube)["GpuXidError"]
         assert xid["reason"] == "GpuRebootSuggested"
-        gpu2 = agent.health.snapshot().gpus[2]
+        gpu2 = node_health(agent).gpus[2]
         assert xid["message"] == f"GPU 2 ({gpu2.uuid}): XID 79: GPU has fallen off the bus"
         assert _conditions(kube)["Ready"] == {"type": "Ready", "status": "True"}  # untouched
         writes = kube.count("patch", path=STATUS_PATH)
         for _ in range(2):  # many collections later: no write without a change
-            ticks = agent.registry.get_sample_value("gpuid_collection_duration_seconds_count") or 0
+            ticks = (
+                agent.metrics.registry.get_sample_value("gpuid_collection_duration_seconds_count")
+                or 0
+            )
             await eventually(
                 lambda t=ticks: (
                     (
-                        agent.registry.get_sample_value("gpuid_collection_duration_seconds_count")
+                        agent.metrics.registry.get_sample_value(
+                            "gpuid_collection_duration_seconds_count"
+                        )
                         or 0
                     )
                     > t + 5
@@ -110,7 +115,7 @@ async def test_without_an_api_configuration_the_agent_runs_on(
     async with running_agent(_agent(SimulatedNvml("gb200x4", "node-a"))) as agent:
         state = agent.board.get("node-conditions")
         assert state is not None and state.state == "unavailable"
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.bus.latest is not None)
         assert agent.page.liveness()[0]
 
 

@@ -14,7 +14,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import eventually, node_health, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_health_nvml import agent_on
 
@@ -161,7 +161,7 @@ async def test_simulated_link_faults_show_as_health() -> None:
     async with running_agent(Agent(s, exporters=[StdoutExporter(out)])) as agent:
 
         def check(index: int, name: str) -> Any:
-            gpus = agent.health.snapshot().gpus
+            gpus = node_health(agent).gpus
             return next((g.checks.get(name) for g in gpus if g.index == index), None)
 
         await eventually(lambda: check(0, "nvlink") and check(0, "nvlink").state == "unhealthy")

@@ -21,7 +21,7 @@ from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import eventually, node_health, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
 
 
@@ -48,11 +48,13 @@ class Run:
         return self.health(**match)
 
     def check(self, index: int, name: str) -> Any:
-        gpus = self.agent.health.snapshot().gpus
+        gpus = node_health(self.agent).gpus
         return next((g.checks.get(name) for g in gpus if g.index == index), None)
 
     def ticks(self) -> float:
-        value = self.agent.registry.get_sample_value("gpuid_collection_duration_seconds_count")
+        value = self.agent.metrics.registry.get_sample_value(
+            "gpuid_collection_duration_seconds_count"
+        )
         return value or 0.0
 
     async def wait_ticks(self, n: int) -> None:
@@ -82,7 +84,7 @@ async def agent_on(
         aiohttp.ClientSession() as http,
     ):
         run = Run(agent, out, http)
-        await eventually(lambda: len(agent.health.snapshot().gpus) == len(config.gpus))
+        await eventually(lambda: len(node_health(agent).gpus) == len(config.gpus))
         yield run
 
 
@@ -95,8 +97,10 @@ async def test_xid_79_makes_that_gpu_unhealthy_and_everything_else_carries_on(
 ) -> None:
     config = fakenvml.gb200x4()
     async with agent_on(fake_nvml, config, heartbeat_interval=0.2) as run:
-        await eventually(lambda: run.agent.xid.alive and len(run.records("reading")) >= 4)
-        assert all(g.state == "healthy" for g in run.agent.health.snapshot().gpus)
+        await eventually(
+            lambda: run.agent.collector.health.xid.alive and len(run.records("reading")) >= 4
+        )
+        assert all(g.state == "healthy" for g in node_health(run.agent).gpus)
         config.gpus[2].xids.append((79, 0))
         fake_nvml.apply(config)  # the trigger: the next wait delivers it
 
@@ -107,7 +111,7 @@ async def test_xid_79_makes_that_gpu_unhealthy_and_everything_else_carries_on(
         readings_then = len(run.records("reading"))
         await run.wait_ticks(20)
 
-        snap = run.agent.health.snapshot()
+        snap = node_health(run.agent)
         assert [g.state for g in snap.gpus] == ["healthy", "healthy", "unhealthy", "healthy"]
         assert snap.gpus[2].action == "reboot" and snap.gpus[2].xid_counts == {79: 1}
         [record] = await run.settled_health(1, check="xid")  # one, however many ticks passed
@@ -179,7 +183,7 @@ async def test_remapped_rows_pending_then_failed_then_cleared(fake_nvml: FakeNvm
             ("unhealthy", "hardware_inspection", 1),
             ("healthy", "none", 1),
         ]
-        assert all(g.state == "healthy" for g in run.agent.health.snapshot().gpus)
+        assert all(g.state == "healthy" for g in node_health(run.agent).gpus)
 
 
 async def test_ecc_growth_degrades_and_clears_after_the_window(fake_nvml: FakeNvml) -> None:
@@ -243,7 +247,7 @@ async def test_reset_required_on_any_call_counts_as_lost(fake_nvml: FakeNvml) ->
 async def test_expected_gpu_count(fake_nvml: FakeNvml) -> None:
     config = fakenvml.gb200x4()
     async with agent_on(fake_nvml, config, expected_gpu_count=8) as run:
-        count = await eventually(lambda: run.agent.health.snapshot().node_checks.get("gpu_count"))
+        count = await eventually(lambda: node_health(run.agent).node_checks.get("gpu_count"))
         assert (count.state, count.action) == ("unhealthy", "reboot")
         assert "4 of 8" in count.reason
         [record] = await run.settled_health(1, check="gpu_count")
@@ -256,17 +260,15 @@ async def test_expected_gpu_count(fake_nvml: FakeNvml) -> None:
 async def test_expected_count_from_the_allocatable_hook(fake_nvml: FakeNvml) -> None:
     config = fakenvml.gb200x4()
     async with agent_on(fake_nvml, config) as run:
-        assert run.agent.health.snapshot().node_checks["gpu_count"].state == "unknown"
+        assert node_health(run.agent).node_checks["gpu_count"].state == "unknown"
         run.agent.collector.allocatable_gpu_count = lambda: 4
-        await eventually(
-            lambda: run.agent.health.snapshot().node_checks["gpu_count"].state == "healthy"
-        )
+        await eventually(lambda: node_health(run.agent).node_checks["gpu_count"].state == "healthy")
         run.agent.collector.allocatable_gpu_count = lambda: 5
         await eventually(
-            lambda: run.agent.health.snapshot().node_checks["gpu_count"].state == "unhealthy"
+            lambda: node_health(run.agent).node_checks["gpu_count"].state == "unhealthy"
         )
         assert "kubelet allocatable" in (
-            run.agent.health.snapshot().node_checks["gpu_count"].reason or ""
+            node_health(run.agent).node_checks["gpu_count"].reason or ""
         )
 
 
@@ -296,7 +298,7 @@ async def test_driver_without_event_api_says_xid_not_supported(fake_nvml: FakeNv
             lambda: run.check(0, "xid") if run.check(0, "xid").state == "not_supported" else None
         )
         assert "Function Not Found" in xid.reason
-        assert all(g.state == "healthy" for g in run.agent.health.snapshot().gpus)
+        assert all(g.state == "healthy" for g in node_health(run.agent).gpus)
         # the XID watcher can report before the first collection has made NVML ready
         await eventually(lambda: run.agent.board.is_ok("nvml"))
         assert run.agent.board.get("health").state == "degraded"  # type: ignore[union-attr]
@@ -400,12 +402,12 @@ async def test_an_xid_of_a_gpu_lost_at_start_is_seen_once_it_returns(fake_nvml: 
     async with agent_on(fake_nvml, config, expected_gpu_count=8) as run:
         lost = await eventually(lambda: run.check(1, "lost"))
         assert lost.state == "unhealthy"
-        assert run.agent.health.snapshot().gpus[1].uuid == "unknown-gpu-1"  # never read yet
-        assert run.agent.health.snapshot().node_checks["gpu_count"].state == "unhealthy"
+        assert node_health(run.agent).gpus[1].uuid == "unknown-gpu-1"  # never read yet
+        assert node_health(run.agent).node_checks["gpu_count"].state == "unhealthy"
         config.gpus[1].lost = False
         fake_nvml.apply(config)
         await eventually(lambda: run.check(1, "xid").state == "unhealthy")
-        gpu1 = run.agent.health.snapshot().gpus[1]
+        gpu1 = node_health(run.agent).gpus[1]
         assert gpu1.uuid == config.gpus[1].uuid and gpu1.checks["lost"].state == "healthy"
         records = await run.settled_health(5)
         assert sorted((r["uuid"] or "", r["check"], r["state"]) for r in records) == [

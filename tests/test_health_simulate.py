@@ -17,7 +17,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import eventually, node_health, running_agent, settings
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]
 
@@ -75,8 +75,7 @@ async def test_simulated_faults_show_as_health() -> None:
 
         def states() -> dict[int, dict[str, str]]:
             return {
-                g.index: {n: c.state for n, c in g.checks.items()}
-                for g in agent.health.snapshot().gpus
+                g.index: {n: c.state for n, c in g.checks.items()} for g in node_health(agent).gpus
             }
 
         await eventually(
@@ -107,13 +106,13 @@ async def test_a_delayed_fault_is_one_transition_later() -> None:
     out = io.BytesIO()
     s = settings(simulate="h100x8", fault="xid74:gpu5@0.3s,fabric-degraded:gpu0")
     async with running_agent(Agent(s, exporters=[StdoutExporter(out)])) as agent:
-        await eventually(lambda: len(agent.health.snapshot().gpus) == 8)
-        assert agent.health.snapshot().gpus[5].state == "healthy"
-        await eventually(lambda: agent.health.snapshot().gpus[5].state == "unhealthy")
-        gpu5 = agent.health.snapshot().gpus[5]
+        await eventually(lambda: len(node_health(agent).gpus) == 8)
+        assert node_health(agent).gpus[5].state == "healthy"
+        await eventually(lambda: node_health(agent).gpus[5].state == "unhealthy")
+        gpu5 = node_health(agent).gpus[5]
         assert "NVLink" in (gpu5.checks["xid"].reason or "") and gpu5.action == "reboot"
         # an HGX H100 is not on a multi-node fabric: the fabric fault has nothing to degrade
-        assert agent.health.snapshot().gpus[0].checks["fabric"].state == "not_supported"
+        assert node_health(agent).gpus[0].checks["fabric"].state == "not_supported"
         await eventually(lambda: _records(out))
         assert [(r["index"], r["check"], r["state"]) for r in _records(out)] == [
             (5, "xid", "unhealthy")
@@ -143,7 +142,7 @@ async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own()
     ) as agent:
         await eventually(lambda: "event_set_wait" in seen and "fabric_info" in seen)
         api.inject_xid(1, 95)
-        await eventually(lambda: agent.health.snapshot().gpus[1].state == "unhealthy")
+        await eventually(lambda: node_health(agent).gpus[1].state == "unhealthy")
     health_calls = {
         "ecc_errors",
         "retired_pages_pending",
@@ -184,11 +183,13 @@ async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> Non
     async with running_agent(
         Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
     ) as agent:
-        agent.xid._retry_after = 0.01  # keep the pause after the NVML error short
-        await eventually(lambda: not failures and agent.xid.alive and len(created) >= 3)
+        agent.collector.health.xid._retry_after = 0.01  # keep the pause after the NVML error short
+        await eventually(
+            lambda: not failures and agent.collector.health.xid.alive and len(created) >= 3
+        )
         api.inject_xid(4, 64)
-        await eventually(lambda: agent.health.snapshot().gpus[4].state == "unhealthy")
-        assert agent.health.snapshot().gpus[4].action == "hardware_inspection"
+        await eventually(lambda: node_health(agent).gpus[4].state == "unhealthy")
+        assert node_health(agent).gpus[4].action == "hardware_inspection"
 
 
 async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
@@ -197,10 +198,10 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
     async with running_agent(
         Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
     ) as agent:
-        await eventually(lambda: agent.xid.alive and agent.health.snapshot().gpus)
+        await eventually(lambda: agent.collector.health.xid.alive and node_health(agent).gpus)
         await eventually(lambda: b"gpuid_gpu_health_state" in agent.renderer.current().text)
         api.inject_xid(3, 48)
-        await eventually(lambda: agent.health.snapshot().gpus[3].last_xid == 48)
+        await eventually(lambda: node_health(agent).gpus[3].last_xid == 48)
 
         def rendered() -> dict[str, Any]:
             text = agent.renderer.current().text.decode()

@@ -61,7 +61,7 @@ async def test_an_xid_record_and_status_name_the_pods_and_workloads_on_the_gpu(
     agent = Agent(s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(out)])
     async with running_agent(agent), aiohttp.ClientSession() as http:
         await eventually(lambda: out.getvalue().count(b'"kind":"allocation"') >= 3)
-        await eventually(lambda: agent.xid.alive)
+        await eventually(lambda: agent.collector.health.xid.alive)
         config.gpus[1].xids.append((79, 0))
         fake_nvml.apply(config)
         [record] = await eventually(lambda: [r for r in _health(out) if r["check"] == "xid"])

@@ -70,7 +70,7 @@ async def test_agent_labels_its_node_and_takes_machine_from_provider_id(kube: Fa
         assert labels["kubernetes.io/hostname"] == NODE
         assert f"{P}/chassis" in labels
         assert {f"{P}/gpu-0", f"{P}/gpu-1"} <= set(labels)
-        assert agent.machine == "i-0123456789abcdef0"
+        assert agent.identity.machine == "i-0123456789abcdef0"
         await eventually(lambda: len(sink.records) >= 4)
         await eventually(lambda: agent.board.is_ok("labels"))  # the PATCH answer is in
         assert {r["machine"] for r in sink.records} == {"i-0123456789abcdef0"}
@@ -125,8 +125,8 @@ async def test_machine_switches_to_provider_id_when_the_api_comes_up(
 async def test_labels_off_reads_provider_id_but_never_patches(kube: FakeKube) -> None:
     kube.add_node(NODE, provider_id="gce://proj/us-central1-a/gke-gpu-1")
     async with running_agent(Agent(agent_settings(labels="off"), exporters=[Collect()])) as agent:
-        await eventually(lambda: agent.inventory is not None)
-        assert agent.machine == "gke-gpu-1"
+        await eventually(lambda: agent.bus.latest is not None)
+        assert agent.identity.machine == "gke-gpu-1"
         assert agent.board.get("labels").state == "disabled"  # type: ignore[union-attr]
     assert kube.count("patch") == 0
     assert kube.count("get") == 1
@@ -136,7 +136,7 @@ async def test_kube_api_off_makes_no_requests(kube: FakeKube) -> None:
     kube.add_node(NODE, provider_id=AWS)
     s = agent_settings(kube_api="off")
     async with running_agent(Agent(s, exporters=[Collect()])) as agent:
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.bus.latest is not None)
         status = await _get_json(agent, "/status")
     assert kube.requests == []
     assert status["machine"]["source"] == "simulated"
@@ -155,7 +155,7 @@ async def test_broken_kubeconfig_is_reported_not_fatal(
     bad.write_text("users: [oops")
     monkeypatch.setenv("KUBECONFIG", str(bad))
     async with running_agent(Agent(agent_settings(), exporters=[Collect()])) as agent:
-        await eventually(lambda: agent.inventory is not None)
+        await eventually(lambda: agent.bus.latest is not None)
         api = agent.board.get("kube_api")
         assert api is not None
         assert api.state == "unavailable"
@@ -174,7 +174,7 @@ async def test_one_counted_api_client_serves_labels_pods_and_conditions(kube: Fa
         await eventually(lambda: agent.conditions is not None and agent.conditions.writes > 0)
         counted = {
             (s.labels["verb"], s.labels["resource"])
-            for family in agent.registry.collect()
+            for family in agent.metrics.registry.collect()
             if family.name == "gpuid_kube_api_requests"
             for s in family.samples
             if s.name.endswith("_total") and s.value > 0

@@ -17,7 +17,7 @@ from gpuid_agent.node.labels.layout import (
     detail_annotation,
     is_own_label,
 )
-from gpuid_agent.node.labels.reconciler import NodeSnapshot, plan_patch
+from gpuid_agent.node.labels.reconciler import LabelledNode, plan_patch
 from gpuid_agent.node.labels.values import is_valid_label_value, label_value
 from gpuid_agent.state.inventory import build_inventory
 from tests.fakekube.resources import validate_metadata
@@ -166,7 +166,7 @@ def test_own_labels_are_only_our_layout_under_our_prefix() -> None:
 
 def test_plan_patch_sets_removes_and_keeps_foreign() -> None:
     desired = desired_state(gb200(), P, annotation=True)
-    node = NodeSnapshot(
+    node = LabelledNode(
         labels={
             f"{P}/gpu-0": "1330824060012",  # already right
             f"{P}/gpu-5": "stale",  # ours, gone
@@ -189,7 +189,7 @@ def test_plan_patch_sets_removes_and_keeps_foreign() -> None:
         f"{P}/gpu-count": "4",
     }
     assert set(meta["annotations"]) == {f"{P}/gpus"}
-    in_sync = NodeSnapshot(
+    in_sync = LabelledNode(
         labels={**node.labels, **desired.labels, f"{P}/gpu-5": "x"},
         annotations={f"{P}/gpus": desired.annotation or ""},
         resource_version="43",
@@ -197,7 +197,7 @@ def test_plan_patch_sets_removes_and_keeps_foreign() -> None:
     )
     only_stale = plan_patch(in_sync, desired, P)
     assert only_stale == {"metadata": {"resourceVersion": "43", "labels": {f"{P}/gpu-5": None}}}
-    synced = NodeSnapshot(
+    synced = LabelledNode(
         labels={k: v for k, v in in_sync.labels.items() if k != f"{P}/gpu-5"},
         annotations=in_sync.annotations,
         resource_version="44",
@@ -208,7 +208,7 @@ def test_plan_patch_sets_removes_and_keeps_foreign() -> None:
 
 def test_annotation_off_removes_ours_only() -> None:
     desired = desired_state(gb200(), P, annotation=False)
-    node = NodeSnapshot(
+    node = LabelledNode(
         labels=dict(desired.labels),
         annotations={f"{P}/gpus": "{}", "other/x": "y"},
         resource_version="1",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpuid_agent.node.labels import NodeLabeler, NodeSnapshot
+from gpuid_agent.node.labels import LabelledNode, NodeLabeler
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, request_counter
@@ -45,7 +45,7 @@ class Harness:
         self.metrics = agent_metrics.labels
         client.observe(request_counter(agent_metrics.kube_api_requests))
         self.board = StatusBoard()
-        self.seen: list[NodeSnapshot] = []
+        self.seen: list[LabelledNode] = []
         self.tasks: list[asyncio.Task[None]] = []
 
     def labeler(self, **overrides: Any) -> NodeLabeler:
@@ -279,7 +279,7 @@ async def test_conflict_rereads_and_retries(harness: Harness) -> None:
     harness.kube.add_node(NODE)
     changed = False
 
-    def someone_else_writes(node: NodeSnapshot) -> None:
+    def someone_else_writes(node: LabelledNode) -> None:
         # another client updates the Node between our read and our patch, once
         nonlocal changed
         if not changed:

@@ -68,7 +68,7 @@ async def test_spooled_records_reach_the_receiver_once_it_is_up(tmp_path: Path) 
     assert {r.headers["x-api-key"] for r in receiver.requests} == {"k3y/secret-value"}
     assert not list((tmp_path / "spool" / "otlp").glob("*.ndjson"))
     logs = receiver.accepted()
-    assert {log.resource["host.id"] for log in logs} == {agent.machine}
+    assert {log.resource["host.id"] for log in logs} == {agent.identity.machine}
     assert {log.resource["k8s.node.name"] for log in logs} == {"node-a"}
     assert {log.resource["deployment.environment.name"] for log in logs} == {"test"}
     starts = [log for log in logs if log.attributes.get("gpuid.allocation.event") == "start"]

@@ -84,7 +84,7 @@ async def test_pushed_metrics_are_the_gpu_metrics_series(otlp_receiver: OtlpRece
     for series, value in scraped.items():
         if series[0].endswith("_info"):
             assert pushed[series] == value == 1.0
-    assert {p.resource["host.id"] for p in last} == {agent.machine}
+    assert {p.resource["host.id"] for p in last} == {agent.identity.machine}
     assert {p.resource["k8s.node.name"] for p in last} == {"node-a"}
     assert {p.resource["service.name"] for p in last} == {"gpuid-agent"}
     now = time.time_ns()

@@ -18,7 +18,12 @@ from aiohttp.streams import StreamReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.sources.kube.client import WATCH_LINE_LIMIT, create_kube_client, watch_lines
+from gpuid_agent.sources.kube.client import (
+    WATCH_LINE_LIMIT,
+    KubeClient,
+    create_kube_client,
+    watch_lines,
+)
 from gpuid_agent.sources.kube.pods import PodCache
 from tests.conftest import eventually
 from tests.fakekube import FakeKube, objects, write_kubeconfig
@@ -33,26 +38,21 @@ async def kube() -> AsyncIterator[FakeKube]:
         yield server
 
 
-def cache_for(kubeconfig: Path) -> PodCache:
-    async def factory(mode: str) -> Any:
-        return await create_kube_client(mode, environ={"KUBECONFIG": str(kubeconfig)})
-
-    return PodCache(
-        NODE, client_factory=factory, label_allowlist=["team"], backoff_max=0.05, watch_timeout=30
-    )
-
-
 class Running:
     """A pod cache following the fake API in a task, stopped (and checked alive) at the end."""
 
     def __init__(self, kube: FakeKube, tmp_path: Path) -> None:
         self.kube = kube
-        self.cache = cache_for(write_kubeconfig(tmp_path / "kubeconfig", kube.url, token="t0ken"))
+        self.kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", kube.url, token="t0ken")
+        self.cache = PodCache(NODE, label_allowlist=["team"], backoff_max=0.05, watch_timeout=30)
+        self.client: KubeClient | None = None
         self.task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Running:
         watches = self.kube.count("watch", status=200)
-        assert await self.cache.open()
+        environ = {"KUBECONFIG": str(self.kubeconfig)}
+        self.client = await create_kube_client("auto", environ=environ)
+        assert self.cache.open(self.client)
         self.task = asyncio.create_task(self.cache.run())
         await eventually(
             lambda: self.cache.ready and self.kube.count("watch", status=200) > watches
@@ -63,7 +63,8 @@ class Running:
         assert self.task is not None
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        await self.cache.close()
+        if self.client is not None:
+            await self.client.close()
         self.kube.close_watches()  # the server side of this cache's watch, too
 
     def malformed(self) -> float:

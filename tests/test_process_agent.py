@@ -215,8 +215,8 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
     )
     async with running_agent(agent):
         await eventually(lambda: b'pod="idle"' in agent.renderer.current().text)
-        seq = agent.collector.last.seq if agent.collector.last else 0
-        await eventually(lambda: agent.collector.last and agent.collector.last.seq > seq + 20)
+        seq = agent.bus.latest.seq if agent.bus.latest else 0
+        await eventually(lambda: agent.bus.latest and agent.bus.latest.seq > seq + 20)
         assert agent.collector.stalled() is None
         text = await scrape(agent, "/gpu/metrics")
         assert "gpuid_gpu_holder_" not in text and "gpuid_gpu_unattributed_" not in text
@@ -293,12 +293,10 @@ async def test_pod_cache_follows_container_restarts_by_uid(kube: FakeKube, tmp_p
 
     kubeconfig = write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken")
 
-    async def factory(mode: str) -> Any:
-        return await create_kube_client(mode, environ={"KUBECONFIG": str(kubeconfig)})
-
     uid = api_pod(kube, "train", "trainer", CID_TRAIN)
-    cache = PodCache(NODE, client_factory=factory)
-    assert await cache.open()
+    client = await create_kube_client("auto", environ={"KUBECONFIG": str(kubeconfig)})
+    cache = PodCache(NODE)
+    assert cache.open(client)
     task = asyncio.create_task(cache.run())
     try:
         await eventually(lambda: cache.ready)
@@ -323,4 +321,5 @@ async def test_pod_cache_follows_container_restarts_by_uid(kube: FakeKube, tmp_p
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await cache.close()
+        if client is not None:
+            await client.close()

@@ -144,11 +144,11 @@ async def test_lost_gpu_keeps_its_identity_and_degrades() -> None:
     async with running_agent(
         Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
     ) as agent:
-        await eventually(lambda: agent.inventory is not None)
-        uuids = [g.uuid for g in agent.inventory.gpus]  # type: ignore[union-attr]
+        await eventually(lambda: agent.bus.latest is not None)
+        uuids = [g.uuid for g in agent.bus.latest.inventory.gpus]  # type: ignore[union-attr]
         api.gpus[2].lost = True
         await eventually(lambda: agent.board.get("nvml").state == "degraded")  # type: ignore[union-attr]
-        assert [g.uuid for g in agent.inventory.gpus] == uuids  # type: ignore[union-attr]
+        assert [g.uuid for g in agent.bus.latest.inventory.gpus] == uuids  # type: ignore[union-attr]
         assert "GPU 2" in (agent.board.get("nvml").reason or "")  # type: ignore[union-attr]
         api.gpus[2].lost = False
         await eventually(lambda: agent.board.get("nvml").state == "ok")  # type: ignore[union-attr]

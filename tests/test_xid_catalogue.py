@@ -27,7 +27,7 @@ from gpuid_agent.state.health.xid import (
     parse_catalog,
 )
 from tests import fakenvml
-from tests.conftest import eventually, settings
+from tests.conftest import eventually, node_health, settings
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_health_nvml import agent_on
 
@@ -201,7 +201,7 @@ async def test_repeats_and_unknown_codes_through_the_driver(fake_nvml: FakeNvml)
     config = fakenvml.h100x8()
     config.gpus = config.gpus[:2]
     async with agent_on(fake_nvml, config, xid_repeat_count=3, xid_repeat_window=3600) as run:
-        await eventually(lambda: run.agent.xid.alive)
+        await eventually(lambda: run.agent.collector.health.xid.alive)
         config.gpus[0].xids = [(13, 0), (13, 1), (13, 2)]
         config.gpus[1].xids = [(4242, 0)]
         fake_nvml.apply(config)
@@ -211,7 +211,7 @@ async def test_repeats_and_unknown_codes_through_the_driver(fake_nvml: FakeNvml)
     assert by_gpu[(0, "check_workload")].startswith("XID 13: graphics engine exception")
     assert "(seen 3 times in 1h)" in by_gpu[(0, "reboot")]
     assert by_gpu[(1, "check_workload")].startswith("XID 4242: unknown XID")
-    assert run.agent.health.snapshot().gpus[1].xid_counts == {4242: 1}
+    assert node_health(run.agent).gpus[1].xid_counts == {4242: 1}
 
 
 def test_repeat_settings_are_validated_naming_the_variable() -> None:

@@ -19,7 +19,6 @@ series (GPU_I_ID, GPU_I_PROFILE) with their own holders; the parent GPU's series
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
@@ -58,7 +57,6 @@ from gpuid_agent.state.health.model import NodeHealth
 # The tables live in metrics_fields; callers keep reading them from here.
 __all__ = [
     "ALLOCATION_INFO",
-    "EMPTY",
     "FIELDS",
     "HOLDERS_METRIC",
     "HOLDER_LABELS",
@@ -71,7 +69,6 @@ __all__ = [
     "Format",
     "Naming",
     "RenderOptions",
-    "RenderedMetrics",
     "as_registry",
     "build_families",
     "build_health_families",
@@ -81,7 +78,6 @@ __all__ = [
     "metric_names",
     "pod_label_columns",
     "pod_label_name",
-    "render",
 ]
 
 
@@ -217,12 +213,6 @@ def build_families(
     return [info, holders_family, allocation_info, *telemetry]
 
 
-@dataclass(frozen=True, slots=True)
-class RenderedMetrics:
-    text: bytes
-    openmetrics: bytes
-
-
 Format = Literal["text", "openmetrics"]
 
 
@@ -262,29 +252,3 @@ def expose(families: list[Metric], fmt: Format) -> bytes:
     if fmt == "text":
         return write_text(families)
     return openmetrics.generate_latest(as_registry(families))  # type: ignore[no-untyped-call,no-any-return]
-
-
-def render(
-    inventory: NodeInventory,
-    samples: Mapping[str, GpuSample],
-    naming: Naming,
-    health: NodeHealth | None = None,
-    *,
-    attribution: Attribution | None = None,
-    options: RenderOptions | None = None,
-    processes: ProcessView = PROCESSES_OFF,
-) -> RenderedMetrics:
-    """Both formats at once (the renderer makes OpenMetrics only when a client asks)."""
-    families = collect(
-        inventory,
-        samples,
-        naming,
-        health,
-        attribution=attribution,
-        options=options,
-        processes=processes,
-    )
-    return RenderedMetrics(expose(families, "text"), expose(families, "openmetrics"))
-
-
-EMPTY = RenderedMetrics(text=b"", openmetrics=b"# EOF\n")

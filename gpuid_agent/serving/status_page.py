@@ -6,23 +6,32 @@ kubelet then restarts a wedged agent. Readiness also needs a successful NVML rea
 one exporter that is not losing records (see docs/exporters/README.md for the fan-out policy).
 `run` re-evaluates readiness on its own cadence so `gpuid_health_check_success` is current
 whether or not anyone probes.
+
+What /status shows of the node comes from the latest snapshot on the bus (inventory, health,
+per-process shares, usage) and the status board; the parts that keep their own state (labels,
+pods, allocation trail, hardware, the attributor's sources) describe themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.pipeline import Pipeline
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.share_families import usage_status
-from gpuid_agent.state.collector import Collector
+from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
+from gpuid_agent.state.bus import SnapshotBus
+from gpuid_agent.state.collector import NodeIdentity
+from gpuid_agent.state.health.model import NodeHealth
 from gpuid_agent.state.health.workloads import health_status
 
 
@@ -30,30 +39,42 @@ class Describes(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    settings: Mapping[str, Any]  # the effective settings, secrets redacted ("config")
+    host_proc: str | None  # the /proc per-process shares are read from; None with them off
+
+
 class StatusPage:
     def __init__(
         self,
-        settings: Settings,
+        config: StatusConfig,
         *,
+        identity: NodeIdentity,
+        bus: SnapshotBus,
+        stalled: Callable[[], str | None],
         board: StatusBoard,
         supervisor: Supervisor,
-        collector: Collector,
         pipeline: Pipeline,
         metrics: AgentMetrics,
+        attribution: Describes,
         parts: dict[str, Describes | None],
     ) -> None:
-        self._settings = settings
+        self._config = config
+        self._identity = identity
+        self._bus = bus
+        self._stalled = stalled  # the collector's: a pass or an NVML call past its bound
         self._board = board
         self._supervisor = supervisor
-        self._collector = collector
         self._pipeline = pipeline
         self._metrics = metrics
+        self._attribution = attribution
         self._parts = parts  # labels, pods, trail, hardware: each one's own part
         self.started_at = datetime.now(UTC)
 
     def liveness(self) -> tuple[bool, list[str]]:
         problems = self._supervisor.problems()
-        stalled = self._collector.stalled()
+        stalled = self._stalled()
         if stalled is not None:
             problems.append(f"collector stalled: {stalled}")
             self._board.set("collector", "stalled", stalled)
@@ -84,9 +105,10 @@ class StatusPage:
 
     def status(self) -> dict[str, Any]:
         ready, problems = self.readiness()
-        collector = self._collector
-        identity = collector.identity
-        inventory = collector.inventory
+        identity = self._identity
+        last = self._bus.latest
+        inventory = None if last is None else last.inventory
+        count, source = (None, None) if last is None else last.expected_gpus
         parts = {k: (None if v is None else v.status()) for k, v in self._parts.items()}
         return {
             "version": __version__,
@@ -100,10 +122,12 @@ class StatusPage:
             "labels": parts.pop("labels", None),
             "hardware": parts.pop("hardware", None),
             "health": {
-                **health_status(
-                    collector.health.snapshot(), inventory, collector.attributor.current
+                **(
+                    NodeHealth().as_dict()
+                    if last is None
+                    else health_status(last.health, last.inventory, last.attribution)
                 ),
-                "expected_gpus": collector.health.expected_gpus(),
+                "expected_gpus": {"count": count, "source": source},
             },
             "inventory": None
             if inventory is None
@@ -116,11 +140,27 @@ class StatusPage:
                 "chassis": inventory.chassis_serials,
                 "gpus": [dataclasses.asdict(g) for g in inventory.gpus],
             },
-            "attribution": {**collector.attributor.status(), **parts},
-            "processes": collector.processes.status(),
+            "attribution": {**self._attribution.status(), **parts},
+            "processes": process_status(
+                PROCESSES_OFF if last is None else last.processes, self._config.host_proc
+            ),
             "usage": None
-            if (last := collector.last) is None
+            if last is None
             else usage_status(last.inventory, last.samples, last.attribution, last.processes),
             "exporters": [w.describe() for w in self._pipeline.workers],
-            "config": self._settings.redacted(),
+            "config": self._config.settings,
         }
+
+
+def process_status(view: ProcessView, host_proc: str | None) -> dict[str, Any]:
+    """The per-process shares in /status: how many processes, how many attributed, and why
+    the others are not."""
+    uses = [u for d in view.devices.values() for u in d.processes]
+    return {
+        "state": view.state,
+        "reason": view.reason or None,
+        "host_proc": host_proc,
+        "processes": len(uses),
+        "attributed": sum(1 for u in uses if u.holder is not None),
+        "unattributed": dict(Counter(u.reason for u in uses if u.holder is None)),
+    }

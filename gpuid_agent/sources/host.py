@@ -1,13 +1,13 @@
 """The node the agent runs on, as its sources see it: the NVML library, the kubelet's
 pod-resources socket and the host's machine identity. A simulated node
-(`gpuid_agent.simulate.environment`) offers the same surface, so the wiring never asks which
-one it has."""
+(`gpuid_agent.simulate.node`) offers the same surface: the wiring picks one once
+(`gpuid_agent.setup.environment`) and never asks again which one it has."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.machine import local_machine_id
 from gpuid_agent.sources.nvml.api import NvmlApi
@@ -35,21 +35,32 @@ class NodeEnvironment(Protocol):
     async def stop(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    node: str
+    nvml_library_path: str
+    pod_resources_socket: str
+    process_attribution: bool
+    host_proc: str
+    dmi_product_uuid_path: str
+    machine_id_path: str
+
+
 class HostNode:
     """A real GPU node: the driver's NVML and the kubelet's socket."""
 
-    def __init__(self, settings: Settings, nvml_api: NvmlApi | None = None) -> None:
-        self._settings = settings
-        self.nvml_api: NvmlApi = nvml_api or PynvmlApi(settings.nvml_library_path)
-        self.pod_resources_socket = settings.pod_resources_socket
-        self.process_attribution = settings.process_attribution
-        self.host_proc = settings.host_proc
+    def __init__(self, config: HostConfig, nvml_api: NvmlApi | None = None) -> None:
+        self._config = config
+        self.nvml_api: NvmlApi = nvml_api or PynvmlApi(config.nvml_library_path)
+        self.pod_resources_socket = config.pod_resources_socket
+        self.process_attribution = config.process_attribution
+        self.host_proc = config.host_proc
         self.pod_directory: PodDirectory | None = None
 
     def machine(self) -> tuple[str, str]:
-        s = self._settings
-        found = local_machine_id(s.dmi_product_uuid_path, s.machine_id_path)
-        return found if found else (s.effective_node_name(), "node_name")
+        c = self._config
+        found = local_machine_id(c.dmi_product_uuid_path, c.machine_id_path)
+        return found if found else (c.node, "node_name")
 
     def resource_slices(self) -> list[dict[str, Any]] | None:
         return None

@@ -5,8 +5,9 @@ A new snapshot follows every NVML collection, every XID event and every attribut
 The collector is the only writer of the node's state, so it needs no locks: XID events arrive
 from their thread through `call_soon_threadsafe`.
 
-A collection that does not finish within STALL_TIMEOUT (an NVML call hung in the driver) makes
-`stalled()` say so: liveness fails and the kubelet restarts a wedged agent.
+A collection that does not finish within the NVML source's call bound (STALL_TIMEOUT, given to
+the source once) or an NVML call hung in the driver makes `stalled()` say so: liveness fails and
+the kubelet restarts a wedged agent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Literal
 
 from gpuid_agent.model import GpuSample, NodeInventory
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.errors import NvmlError, NvmlStalledError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.retry import Backoff
@@ -34,7 +34,7 @@ from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import Transition
-from gpuid_agent.state.health.monitor import HealthMonitor, log_transitions
+from gpuid_agent.state.health.monitor import HealthConfig, HealthMonitor, log_transitions
 from gpuid_agent.state.health.workloads import with_holders
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
@@ -61,10 +61,16 @@ class NodeIdentity:
             self.machine, self.machine_source = machine, source
 
 
+@dataclass(frozen=True, slots=True)
+class CollectorConfig:
+    interval: float  # COLLECT_INTERVAL
+    health: HealthConfig
+
+
 class Collector:
     def __init__(
         self,
-        settings: Settings,
+        config: CollectorConfig,
         identity: NodeIdentity,
         nvml: NvmlSource,
         attributor: Attributor,
@@ -72,24 +78,20 @@ class Collector:
         *,
         metrics: AgentMetrics,
         board: StatusBoard,
-        processes: ProcessTracker | None = None,
+        processes: ProcessTracker,
     ) -> None:
         self.identity = identity
         self.nvml = nvml
-        self.health = HealthMonitor(settings, nvml, board, self.on_xid)
+        self.health = HealthMonitor(config.health, nvml, board, self.on_xid)
         self.attributor = attributor
         self.bus = bus
         self._metrics = metrics
         self._board = board
-        interval = self._interval = settings.collect_interval
-        self._stall_after = settings.effective_stall_timeout()
+        interval = self._interval = config.interval
         self._backoff = Backoff(interval, max(interval, NVML_BACKOFF_MAX))
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
-        self.processes = processes or ProcessTracker(
-            enabled=settings.process_attribution, host_proc=settings.host_proc
-        )
-        self.last: NodeSnapshot | None = None
+        self.processes = processes
         self._seq = 0
         self._held: list[Transition] = []  # transitions waiting for the first attribution
         self._settled = False
@@ -125,18 +127,20 @@ class Collector:
             self._held = []
             log_transitions(joined)
         self._seq += 1
-        self.last = NodeSnapshot(
-            seq=self._seq,
-            cause=cause,
-            inventory=self.inventory,
-            samples=self.samples,
-            health=self.health.snapshot(),
-            attribution=attribution,
-            transitions=joined,
-            pods_ready=self.attributor.pods_ready,
-            processes=processes,
+        self.bus.publish(
+            NodeSnapshot(
+                seq=self._seq,
+                cause=cause,
+                inventory=self.inventory,
+                samples=self.samples,
+                health=self.health.snapshot(),
+                attribution=attribution,
+                transitions=joined,
+                pods_ready=self.attributor.pods_ready,
+                processes=processes,
+                expected_gpus=self.health.expected,
+            )
         )
-        self.bus.publish(self.last)
 
     def _joinable(self) -> bool:
         """Whether transitions can be joined to their holders now. At start the kubelet (its
@@ -253,11 +257,12 @@ class Collector:
             await asyncio.sleep(delay)
 
     def stalled(self) -> str | None:
-        """Why the collector counts as stalled (a pass or an NVML call past the bound)."""
+        """Why the collector counts as stalled (a pass or an NVML call past the NVML source's
+        call bound)."""
         busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self._stall_after:
+        if busy is not None and time.monotonic() - busy > self.nvml.call_timeout:
             return f"collection running for {time.monotonic() - busy:.0f}s"
-        return self.nvml.stalled(self._stall_after)
+        return self.nvml.stalled()
 
     # ---- events ----------------------------------------------------------------------------
 

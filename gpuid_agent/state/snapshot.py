@@ -35,4 +35,6 @@ class NodeSnapshot:
     pods_ready: bool = True
     # per-process shares of each device (PROCESS_ATTRIBUTION; "off" otherwise)
     processes: ProcessView = PROCESSES_OFF
+    # the GPU count NVML's is held to and where it came from (None, None: nothing to hold to)
+    expected_gpus: tuple[int | None, str | None] = (None, None)
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))

@@ -2,13 +2,13 @@
 
 from gpuid_agent.node.labels.layout import DesiredState, desired_state, is_own_label
 from gpuid_agent.node.labels.metrics import LabelMetrics
-from gpuid_agent.node.labels.reconciler import NodeLabeler, NodeSnapshot, plan_patch
+from gpuid_agent.node.labels.reconciler import LabelledNode, NodeLabeler, plan_patch
 
 __all__ = [
     "DesiredState",
     "LabelMetrics",
+    "LabelledNode",
     "NodeLabeler",
-    "NodeSnapshot",
     "desired_state",
     "is_own_label",
     "plan_patch",

@@ -42,7 +42,7 @@ _HINTS = {
 
 
 @dataclass(frozen=True, slots=True)
-class NodeSnapshot:
+class LabelledNode:
     """What the labeller needs from the Node it read."""
 
     labels: Mapping[str, str]
@@ -51,10 +51,10 @@ class NodeSnapshot:
     provider_id: str
 
 
-def snapshot_of(node: Any) -> NodeSnapshot:
+def labelled_node(node: Any) -> LabelledNode:
     meta = getattr(node, "metadata", None)
     spec = getattr(node, "spec", None)
-    return NodeSnapshot(
+    return LabelledNode(
         labels=dict(getattr(meta, "labels", None) or {}),
         annotations=dict(getattr(meta, "annotations", None) or {}),
         resource_version=getattr(meta, "resource_version", None),
@@ -62,7 +62,7 @@ def snapshot_of(node: Any) -> NodeSnapshot:
     )
 
 
-def plan_patch(node: NodeSnapshot, desired: DesiredState, prefix: str) -> dict[str, Any] | None:
+def plan_patch(node: LabelledNode, desired: DesiredState, prefix: str) -> dict[str, Any] | None:
     """The strategic-merge patch that makes `node` match `desired` (None: nothing to do).
 
     A `null` value removes a key. resourceVersion makes the patch fail with 409 if the Node
@@ -113,7 +113,7 @@ class NodeLabeler:
         backoff_base: float = 1.0,
         backoff_cap: float = 300.0,
         conflict_retries: int = 5,
-        on_node: Callable[[NodeSnapshot], None] | None = None,
+        on_node: Callable[[LabelledNode], None] | None = None,
         rand: random.Random | None = None,
     ) -> None:
         self.node = node
@@ -202,7 +202,7 @@ class NodeLabeler:
         for attempt in range(self.conflict_retries + 1):
             try:
                 found = await self._core.read_node(self.node, _request_timeout=self.request_timeout)
-                node = snapshot_of(found)
+                node = labelled_node(found)
                 if self.on_node is not None:
                     self.on_node(node)
                 patch = plan_patch(node, desired, self.prefix)

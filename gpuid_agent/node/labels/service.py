@@ -10,12 +10,12 @@ records). Labelling never blocks collection: it runs as its own supervised task.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from gpuid_agent.model import NodeInventory
-from gpuid_agent.node.labels.reconciler import COMPONENT, NodeLabeler, NodeSnapshot
+from gpuid_agent.node.labels.reconciler import COMPONENT, LabelledNode, NodeLabeler
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, read_provider_id
@@ -27,16 +27,27 @@ Spawn = Callable[[str, Coroutine[Any, Any, Any]], Any]
 MachineSink = Callable[[str, str], None]
 
 
+@dataclass(frozen=True, slots=True)
+class LabellingConfig:
+    mode: Literal["on", "off", "dry-run"]  # LABELS
+    prefix: str
+    annotation: bool
+    resync_interval: float
+    startup_jitter: float
+    debounce: float  # a burst of inventory changes within this makes one patch
+    kube_api_off: bool  # KUBE_API=off: said on /status as the reason labels are off
+
+
 class NodeLabelling:
     def __init__(
         self,
-        settings: Settings,
+        config: LabellingConfig,
         node: str,
         metrics: AgentMetrics,
         board: StatusBoard,
         on_machine: MachineSink,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.node = node
         self.board = board
         self.metrics = metrics.labels
@@ -49,31 +60,32 @@ class NodeLabelling:
         """Read the Node's providerID and start the labeller over the agent's API client."""
         self.kube = kube
         if self.kube is None:
-            why = "KUBE_API=off" if self.settings.kube_api == "off" else "no Kubernetes API"
+            why = "KUBE_API=off" if self.config.kube_api_off else "no Kubernetes API"
             self.board.set(COMPONENT, "disabled", why)
             return
         provider_id = await read_provider_id(self.kube, self.node, within=STARTUP_READ_TIMEOUT)
         if provider_id is not None:
             self.use_provider_id(provider_id)
-        if self.settings.labels == "off":
+        config = self.config
+        if config.mode == "off":
             self.board.set(COMPONENT, "disabled", "LABELS=off")
             return
         self.labeler = NodeLabeler(
             self.kube.api,
             self.node,
-            prefix=self.settings.label_prefix,
+            prefix=config.prefix,
             metrics=self.metrics,
             board=self.board,
-            mode=self.settings.labels,
-            annotation=self.settings.label_annotation,
-            resync_interval=self.settings.label_resync_interval,
-            startup_jitter=self.settings.label_startup_jitter,
-            debounce=min(1.0, self.settings.collect_interval),
+            mode=config.mode,
+            annotation=config.annotation,
+            resync_interval=config.resync_interval,
+            startup_jitter=config.startup_jitter,
+            debounce=config.debounce,
             on_node=self._seen,
         )
         spawn(COMPONENT, self.labeler.run())
 
-    def _seen(self, node: NodeSnapshot) -> None:
+    def _seen(self, node: LabelledNode) -> None:
         self.use_provider_id(node.provider_id)
 
     def use_provider_id(self, provider_id: str) -> None:
@@ -97,8 +109,8 @@ class NodeLabelling:
         labeler = self.labeler
         desired = labeler.desired if labeler is not None else None
         return {
-            "mode": self.settings.labels if labeler is not None else "off",
-            "prefix": self.settings.label_prefix,
+            "mode": self.config.mode if labeler is not None else "off",
+            "prefix": self.config.prefix,
             "api": self.kube.source if self.kube is not None else None,
             "desired": dict(desired.labels) if desired is not None else None,
             "rewritten_serials": [repr(s) for s in desired.rewritten] if desired else [],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -24,10 +24,10 @@ from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
+from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient
 from gpuid_agent.sources.kube.list_watch import ListWatch, failure_reason, list_version
 from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
 
@@ -93,11 +93,9 @@ class PodCache:
         changed: asyncio.Event | None = None,
         label_allowlist: Sequence[str] = (),
         metrics: AttributionMetrics | None = None,
-        mode: str = "auto",
         timeout: float = 30.0,
         watch_timeout: float = 300.0,
         backoff_max: float = 60.0,
-        client_factory: Callable[..., Any] = create_kube_client,
     ) -> None:
         self.node = node
         self.board = board or StatusBoard()
@@ -105,11 +103,8 @@ class PodCache:
         self.label_allowlist = tuple(label_allowlist)
         self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
         self.registry = self._metrics.registry
-        self._mode = mode
         self._timeout = timeout
-        self._client_factory = client_factory
         self._client: KubeClient | None = None
-        self._owns_client = True
         self._core: Any = None  # CoreV1Api and the owner walker over the client, from run()
         self._owners: OwnerResolver | None = None
         self._follow = ListWatch(
@@ -168,16 +163,11 @@ class PodCache:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def open(self, shared: KubeClient | None = None) -> bool:
-        """Use the agent's API client (`shared`, not closed here) or find one; False (and
-        ready, with the reason on /status) when there is none."""
-        self._owns_client = shared is None
-        try:
-            self._client = shared or await self._client_factory(self._mode)
-        except KubeConfigError as exc:
-            self.no_api(str(exc))
-            return False
-        if self._client is None:
+    def open(self, shared: KubeClient | None) -> bool:
+        """Use the agent's API client (never closed here); False (and ready, with the reason
+        on /status) without one."""
+        self._client = shared
+        if shared is None:
             self.no_api("no Kubernetes API configuration found")
             return False
         self.board.set(COMPONENT, "starting")
@@ -189,11 +179,6 @@ class PodCache:
         self.board.set(COMPONENT, "unavailable", f"{reason}; pods attributed from the kubelet")
         self._ready = True
         self.changed.set()
-
-    async def close(self) -> None:
-        if self._client is not None and self._owns_client:
-            await self._client.close()
-        self._client = None
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"

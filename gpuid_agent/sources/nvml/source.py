@@ -111,12 +111,12 @@ class NvmlSource:
                 parts.append(f"{busy[0]} for {busy[1]:.0f}s")
         return ", ".join(parts) or "returning"
 
-    def stalled(self, bound: float) -> str | None:
-        """Why NVML counts as stalled: a call running past `bound` seconds, or a call given up
+    def stalled(self) -> str | None:
+        """Why NVML counts as stalled: a call running past `call_timeout`, or a call given up
         on that has not returned yet. None when neither."""
         self._forget_finished()
         busy = self._thread.busy()
-        if busy is not None and busy[1] > bound:
+        if busy is not None and busy[1] > self.call_timeout:
             return f"NVML call {busy[0]} running for {busy[1]:.0f}s"
         if self._hung:
             return f"NVML call hung (thread given up): {self._hung_reason()}"

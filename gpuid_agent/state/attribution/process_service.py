@@ -6,9 +6,7 @@ so a kubelet or pod change re-attributes the processes last read."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.runtime import log
@@ -33,7 +31,6 @@ class ProcessTracker:
         self._readings: Mapping[str, GpuProcesses] = {}
         self._owners: Mapping[int, CgroupOwner | str] = {}
         self._error: str | None = None
-        self.current: ProcessView = PROCESSES_OFF
 
     async def collect(self, nvml: NvmlSource, gpus: Sequence[GpuIdentity]) -> None:
         """Read every GPU's processes and their cgroups; a failure makes the view
@@ -61,30 +58,15 @@ class ProcessTracker:
         label_allowlist: Sequence[str],
     ) -> ProcessView:
         if not self.enabled:
-            view = PROCESSES_OFF
-        elif self._error is not None:
-            view = ProcessView("unavailable", reason=self._error)
-        else:
-            view = share_processes(
-                inventory,
-                samples,
-                attribution,
-                self._readings,
-                self._owners,
-                by_uid=pods.by_uid if pods is not None else None,
-                label_allowlist=label_allowlist,
-            )
-        self.current = view
-        return view
-
-    def status(self) -> dict[str, Any]:
-        view = self.current
-        uses = [u for d in view.devices.values() for u in d.processes]
-        return {
-            "state": view.state,
-            "reason": view.reason or None,
-            "host_proc": self.host.root if self.enabled else None,
-            "processes": len(uses),
-            "attributed": sum(1 for u in uses if u.holder is not None),
-            "unattributed": dict(Counter(u.reason for u in uses if u.holder is None)),
-        }
+            return PROCESSES_OFF
+        if self._error is not None:
+            return ProcessView("unavailable", reason=self._error)
+        return share_processes(
+            inventory,
+            samples,
+            attribution,
+            self._readings,
+            self._owners,
+            by_uid=pods.by_uid if pods is not None else None,
+            label_allowlist=label_allowlist,
+        )

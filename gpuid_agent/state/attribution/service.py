@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.pods import PodCache, PodDirectory
@@ -26,34 +26,44 @@ _log = log.get("attribution")
 _EXAMPLES = 5
 
 
+@dataclass(frozen=True, slots=True)
+class AttributionConfig:
+    node: str
+    pod_resources_timeout: float
+    pod_resources_interval: float
+    pod_resources_stale_after: float
+    gpu_resource_names: tuple[str, ...]
+    pod_label_allowlist: tuple[str, ...]
+    kube_api: Literal["auto", "off"]
+    dra_resource_slices: bool
+
+
 def build_attributor(
-    settings: Settings, socket_path: str, board: StatusBoard, metrics: AttributionMetrics
+    config: AttributionConfig, socket_path: str, board: StatusBoard, metrics: AttributionMetrics
 ) -> tuple[Attributor, PodCache | None]:
     """The kubelet poller, unless KUBE_API=off the node's pod cache, and unless
     DRA_RESOURCE_SLICES is off its ResourceSlice cache (`attributor.slices`), behind one
     Attributor; the pod cache is returned too, for the wiring to open and run."""
-    node = settings.effective_node_name()
     source = PodResourcesSource(
-        PodResourcesClient(socket_path, timeout=settings.pod_resources_timeout),
-        interval=settings.pod_resources_interval,
-        stale_after=settings.pod_resources_stale_after,
-        resources=ResourceMatcher(settings.gpu_resource_names),
+        PodResourcesClient(socket_path, timeout=config.pod_resources_timeout),
+        interval=config.pod_resources_interval,
+        stale_after=config.pod_resources_stale_after,
+        resources=ResourceMatcher(config.gpu_resource_names),
         board=board,
         metrics=metrics,
     )
-    attributor = Attributor(source, label_allowlist=settings.pod_label_allowlist, metrics=metrics)
+    attributor = Attributor(source, label_allowlist=config.pod_label_allowlist, metrics=metrics)
     pods = None
-    if settings.kube_api != "off":
+    if config.kube_api != "off":
         pods = attributor.pods = PodCache(
-            node,
+            config.node,
             board=board,
             changed=attributor.changed,
-            label_allowlist=settings.pod_label_allowlist,
+            label_allowlist=config.pod_label_allowlist,
             metrics=metrics,
-            mode=settings.kube_api,
         )
-    if settings.dra_resource_slices:  # from the API, or from a simulated node's driver
-        attributor.slices = ResourceSliceCache(node, board=board, changed=attributor.changed)
+    if config.dra_resource_slices:  # from the API, or from a simulated node's driver
+        attributor.slices = ResourceSliceCache(config.node, board=board, changed=attributor.changed)
     return attributor, pods
 
 

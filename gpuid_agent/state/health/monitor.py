@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.reader import NvmlReading
@@ -28,27 +27,41 @@ EXPECTED_FROM_KUBELET = "kubelet allocatable"
 EXPECTED_FROM_SLICES = "DRA ResourceSlices"
 
 
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """What the health checks are tuned by (HEALTH_WINDOW, XID_*, PCIE_REPLAY_THRESHOLD,
+    EXPECTED_GPU_COUNT) and the collection interval the XID waits are sliced to."""
+
+    window: float
+    xid_hold: float
+    pcie_replay_threshold: int
+    xid_repeat_count: int
+    xid_repeat_window: float
+    expected_gpu_count: int  # -1: from the kubelet or the DRA ResourceSlices
+    collect_interval: float
+
+
 class HealthMonitor:
     def __init__(
         self,
-        settings: Settings,
+        config: HealthConfig,
         nvml: NvmlSource,
         board: StatusBoard,
         on_xid: Callable[[XidEvent], None],
     ) -> None:
         self.tracker = HealthTracker(
-            window=settings.health_window,
-            xid_hold=settings.xid_hold,
-            pcie_replay_threshold=settings.pcie_replay_threshold,
-            xid_repeat_count=settings.xid_repeat_count,
-            xid_repeat_window=settings.xid_repeat_window,
+            window=config.window,
+            xid_hold=config.xid_hold,
+            pcie_replay_threshold=config.pcie_replay_threshold,
+            xid_repeat_count=config.xid_repeat_count,
+            xid_repeat_window=config.xid_repeat_window,
         )
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
         # long stopping the XID thread takes.
-        wait_ms = int(min(1000.0, max(50.0, settings.collect_interval * 1000)))
+        wait_ms = int(min(1000.0, max(50.0, config.collect_interval * 1000)))
         self.xid = XidWatcher(nvml.reader.api, on_xid, wait_ms=wait_ms)
-        self._expected = settings.expected_gpu_count
+        self._expected = config.expected_gpu_count
         self._board = board
         self.expected: tuple[int | None, str | None] = (None, None)  # (count, where from)
 
@@ -97,11 +110,6 @@ class HealthMonitor:
         if allocatable is None:
             return None, None
         return allocatable, EXPECTED_FROM_KUBELET
-
-    def expected_gpus(self) -> dict[str, Any]:
-        """The expected GPU count with its source (/status)."""
-        count, source = self.expected
-        return {"count": count, "source": source}
 
     async def close(self, within: float) -> None:
         """Stop the XID thread, waiting at most `within` seconds on the loop (the thread is a
