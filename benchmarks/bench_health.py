@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.common import Row, median, percentile
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.serving import gpu_metrics
@@ -23,9 +23,9 @@ from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
 from gpuid_agent.sources.nvml.source import NvmlSource
-from gpuid_agent.state.attribution.model import UNAVAILABLE
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.attribution.holders import UNAVAILABLE
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.snapshot import NodeSnapshot
 
 GPUS = 8

@@ -19,7 +19,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from benchmarks.common import Row, median, percentile
-from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
+from gpuid_agent.facts import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.node.labels import LabelMetrics, NodeLabeler, desired_state
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.status import StatusBoard

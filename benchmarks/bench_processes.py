@@ -21,16 +21,16 @@ import aiohttp
 
 from benchmarks.agentproc import free_port, load, start_agent, stop, wait_http
 from benchmarks.common import Row, median, percentile
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.simulate.profiles import SimProcess
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.nvml.calls import FieldCalls
-from gpuid_agent.sources.nvml.processes import ProcessReader
+from gpuid_agent.sources.nvml.process_reader import ProcessReader
 from gpuid_agent.sources.procfs import HostProc
-from gpuid_agent.state.attribution.model import Allocation, Attribution, Holder
-from gpuid_agent.state.attribution.processes import share_processes
+from gpuid_agent.state.attribution.holders import Allocation, Attribution, Holder
+from gpuid_agent.state.attribution.process_mapping import share_processes
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF
 
 NODE = "bench-node"

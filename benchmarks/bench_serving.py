@@ -23,13 +23,13 @@ from prometheus_client.core import Metric
 
 from benchmarks.agentproc import free_port
 from benchmarks.common import Row, median, percentile
-from gpuid_agent.model import GpuIdentity, GpuSample
+from gpuid_agent.facts import GpuIdentity, GpuSample
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.app import build_app
 from gpuid_agent.serving.renderer import MetricsRenderer
-from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus, Subscription
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
 

@@ -13,7 +13,7 @@ import pytest
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.runtime.config import Settings, load_settings
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 
 # The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
 pytest_plugins = ["tests.servers.fixtures"]

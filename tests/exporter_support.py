@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
+from gpuid_agent.facts import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.records.readings import SCHEMA_VERSION, reading_records, record_id, rfc3339
 
 BASE_TIME = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)

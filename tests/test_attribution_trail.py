@@ -13,7 +13,7 @@ import pytest
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity, allocation_record_id
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
@@ -175,7 +175,7 @@ async def test_an_unreachable_kubelet_ends_nothing(
 def test_mig_allocation_and_a_replaced_pod() -> None:
     """Record fields of a MIG allocation; a pod recreated under the same name (new UID) on the
     same device ends the old allocation and starts a new one."""
-    from gpuid_agent.model import MigDevice
+    from gpuid_agent.facts import MigDevice
 
     gpu = GpuIdentity(
         index=0,

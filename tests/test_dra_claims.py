@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
+from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory
 from gpuid_agent.runtime.errors import DeviceIdError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard

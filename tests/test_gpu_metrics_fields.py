@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
@@ -29,7 +29,7 @@ from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.reader import NvmlReader
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import attribute
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
 from tests import fakenvml

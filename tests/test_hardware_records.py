@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch, hardware_record
 from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi

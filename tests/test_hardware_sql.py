@@ -10,7 +10,7 @@ from pathlib import Path
 
 import asyncpg
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch
 from tests.test_exporter_postgres import Factory, db, make
 

@@ -13,7 +13,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.node.conditions import MESSAGE_LIMIT, desired_conditions
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.state.health.model import CheckStatus, GpuHealth, NodeHealth
+from gpuid_agent.state.health.verdicts import CheckStatus, GpuHealth, NodeHealth
 from tests.conftest import eventually, node_health, running_agent, settings
 from tests.fakekube import FakeKube, write_kubeconfig
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.model import GpuIdentity, NvLink, PcieLink
+from gpuid_agent.facts import GpuIdentity, NvLink, PcieLink
 from gpuid_agent.node.conditions import desired_conditions
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals
 from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch

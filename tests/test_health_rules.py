@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime.fault_spec import FAULT_KINDS, LINK_KINDS, Fault, parse_fault, parse_faults
 from gpuid_agent.sources.nvml.signals import (
     EccCounts,
@@ -20,8 +20,8 @@ from gpuid_agent.sources.nvml.signals import (
 from gpuid_agent.state.health import checks
 from gpuid_agent.state.health.clocks import MASK_64, REASON_BITS, decode_clock_reasons, unknown_bits
 from gpuid_agent.state.health.fabric import decode_health_mask, fabric_verdict
-from gpuid_agent.state.health.model import ACTIONS, CHECK_STATES, GPU_CHECKS
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.verdicts import ACTIONS, CHECK_STATES, GPU_CHECKS
 from gpuid_agent.state.health.xid import CRITICAL_XIDS, XID_TABLE, classify_xid
 
 hostile_values = st.one_of(
@@ -560,7 +560,7 @@ def test_fault_specs() -> None:
 
 
 def test_health_records_have_the_reading_envelope_and_a_stable_id() -> None:
-    from gpuid_agent.model import PlatformInfo
+    from gpuid_agent.facts import PlatformInfo
     from gpuid_agent.records.health import health_records
     from gpuid_agent.state.inventory import build_inventory
 

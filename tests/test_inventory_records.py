@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.readings import ReadingEmitter, Record, reading_records, record_id
 from gpuid_agent.simulate.profiles import gb200x4, h100x8
 from gpuid_agent.state.inventory import build_inventory, diff

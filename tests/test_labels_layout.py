@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
+from gpuid_agent.facts import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.node.labels.layout import (
     desired_labels,
     desired_state,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import NodeInventory, PlatformInfo
+from gpuid_agent.facts import NodeInventory, PlatformInfo
 from gpuid_agent.records.readings import ReadingEmitter, Record
 from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 from gpuid_agent.sources.machine import resolve_machine

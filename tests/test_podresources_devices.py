@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
+from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory
 from gpuid_agent.sources.kubelet import (
     DeviceAssignment,
     DeviceIdError,

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.sources.nvml.calls import FieldCalls
-from gpuid_agent.sources.nvml.processes import GpuProcesses, ProcessInfo, ProcessReader
+from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo, ProcessReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from tests import fakenvml

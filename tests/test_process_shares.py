@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, MigDevice, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
-from gpuid_agent.sources.nvml.processes import GpuProcesses, ProcessInfo
+from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo
 from gpuid_agent.sources.procfs import HOST_PROCESS, PID_GONE, UNKNOWN_CGROUP, CgroupOwner
-from gpuid_agent.state.attribution.model import Allocation, Attribution, Holder
-from gpuid_agent.state.attribution.processes import share_processes
+from gpuid_agent.state.attribution.holders import Allocation, Attribution, Holder
+from gpuid_agent.state.attribution.process_mapping import share_processes
 from gpuid_agent.state.attribution.shares import UNACCOUNTED, UNKNOWN_POD, usage_state
 
 GIB = 1024**3

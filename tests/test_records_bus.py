@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus
-from gpuid_agent.state.health.model import CheckStatus, NodeHealth, Transition
+from gpuid_agent.state.health.verdicts import CheckStatus, NodeHealth, Transition
 from gpuid_agent.state.snapshot import NodeSnapshot
 from tests.conftest import eventually
 from tests.exporter_support import BASE_TIME, inventory

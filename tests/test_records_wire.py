@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory, PlatformInfo
+from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory, PlatformInfo
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
@@ -23,7 +23,7 @@ from gpuid_agent.records.types import (
     ReadingRecord,
 )
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
-from gpuid_agent.state.health.model import CheckStatus, Transition
+from gpuid_agent.state.health.verdicts import CheckStatus, Transition
 
 FIXTURE = Path(__file__).parent / "data" / "records_wire.json"
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)

@@ -20,13 +20,13 @@ from gpuid_agent.delivery.exporters.base import BatchMeta, Record
 from gpuid_agent.delivery.exporters.s3 import S3Exporter, hive_value
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
-from gpuid_agent.state.health.model import CheckStatus, Transition
+from gpuid_agent.state.health.verdicts import CheckStatus, Transition
 from tests.servers.s3 import MotoServer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "exporters" / "s3.md"

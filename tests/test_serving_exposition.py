@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
+from gpuid_agent.facts import GpuIdentity, GpuSample, MigDevice
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
-from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.inventory import build_inventory
 
 hostile = st.text(max_size=40)  # any code point: quotes, backslashes, newlines, surrogates

@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuid_agent.model import GpuIdentity, GpuSample
+from gpuid_agent.facts import GpuIdentity, GpuSample
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.app import build_app
 from gpuid_agent.serving.renderer import MetricsRenderer
-from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
 from tests.conftest import eventually

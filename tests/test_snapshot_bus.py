@@ -9,10 +9,10 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.model import NodeInventory
-from gpuid_agent.state.attribution.model import UNAVAILABLE
+from gpuid_agent.facts import NodeInventory
+from gpuid_agent.state.attribution.holders import UNAVAILABLE
 from gpuid_agent.state.bus import SnapshotBus
-from gpuid_agent.state.health.model import CheckStatus, NodeHealth, Transition
+from gpuid_agent.state.health.verdicts import CheckStatus, NodeHealth, Transition
 from gpuid_agent.state.snapshot import NodeSnapshot
 
 INVENTORY = NodeInventory("n", "c", "m", "test", None, None, (), datetime(2026, 1, 1, tzinfo=UTC))

@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.runner import run_emitter
 from gpuid_agent.simulate.profiles import gb200x4

@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent import docs
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.sources.nvml.signals import XidEvent
-from gpuid_agent.state.health.model import ACTIONS
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.verdicts import ACTIONS
 from gpuid_agent.state.health.xid import (
     CATALOG,
     CATALOG_FILE,

@@ -26,7 +26,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 
 _log = log.get("node_conditions")
 

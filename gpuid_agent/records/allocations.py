@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire

@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, rfc3339, to_wire

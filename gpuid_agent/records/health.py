@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, rfc3339, to_wire
 from gpuid_agent.records.types import HealthRecord, header
 from gpuid_agent.runtime import log
-from gpuid_agent.state.health.model import Transition
+from gpuid_agent.state.health.verdicts import Transition
 from gpuid_agent.state.health.workloads import holder_dict
 from gpuid_agent.state.snapshot import NodeSnapshot
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord, header

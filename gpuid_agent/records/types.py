@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 
 SCHEMA_VERSION = 1
 Kind = Literal["reading", "allocation", "health", "hardware"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client.core import GaugeMetricFamily
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     CLAIM_INFO,
     CLAIM_LABELS,
@@ -17,7 +17,7 @@ from gpuid_agent.serving.metrics_fields import (
     MIG_LABELS,
     Naming,
 )
-from gpuid_agent.state.attribution.model import Attribution
+from gpuid_agent.state.attribution.holders import Attribution
 
 
 def _clean(value: str) -> str:

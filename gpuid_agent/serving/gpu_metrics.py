@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving.claim_families import build_claim_family
 from gpuid_agent.serving.health_families import build_health_families
 from gpuid_agent.serving.metrics_fields import (
@@ -50,9 +50,9 @@ from gpuid_agent.serving.metrics_fields import (
 )
 from gpuid_agent.serving.share_families import build_share_families
 from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
-from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 
 # The tables live in metrics_fields; callers keep reading them from here.
 __all__ = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuid_agent.model import NVLINK_COUNTERS, NodeInventory
+from gpuid_agent.facts import NVLINK_COUNTERS, NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     DCGM_XID,
     HEALTH_STATE,
@@ -26,7 +26,7 @@ from gpuid_agent.serving.metrics_fields import (
     Naming,
     label_values,
 )
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 
 
 def build_health_families(

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     ALLOCATION_STATE,
     HOLDER_LABELS,
@@ -32,7 +32,7 @@ from gpuid_agent.serving.metrics_fields import (
     Naming,
     RenderOptions,
 )
-from gpuid_agent.state.attribution.model import Attribution, Holder
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.shares import (
     USAGE_STATES,
     DeviceShares,

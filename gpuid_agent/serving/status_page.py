@@ -31,7 +31,7 @@ from gpuid_agent.serving.share_families import usage_status
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import NodeIdentity
-from gpuid_agent.state.health.model import NodeHealth
+from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.health.workloads import health_status
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from gpuid_agent.simulate.dra import dra_pods, dra_slices
 from gpuid_agent.simulate.kubelet import Devices, FakeKubelet, KubeletPod, simulated_pods
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from gpuid_agent.simulate.processes import plan_processes
+from gpuid_agent.simulate.process_tree import plan_processes
 from gpuid_agent.simulate.profiles import DRA_PROFILES, PROCESS_PROFILES
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.api import NvmlApi

@@ -6,7 +6,7 @@ import hashlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
 
-from gpuid_agent.model import PlatformInfo
+from gpuid_agent.facts import PlatformInfo
 
 
 @dataclass(slots=True)
@@ -118,7 +118,7 @@ def mig_h100(node: str) -> list[SimGpu]:
 
 
 def timesliced(node: str) -> list[SimGpu]:
-    """HGX H100 whose pods run processes (simulate/processes.py): a time-sliced GPU shared by
+    """HGX H100 whose pods run processes (simulate/process_tree.py): a time-sliced GPU shared by
     three pods, a training pod, an idle notebook, a GPU busy with a pod that holds none."""
     return h100x8(node)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from gpuid_agent.model import GpuSample, NodeInventory
+from gpuid_agent.facts import GpuSample, NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlError, NvmlStalledError
 from gpuid_agent.runtime.metrics import AgentMetrics
@@ -33,8 +33,8 @@ from gpuid_agent.state.attribution import count_allocatable_gpus
 from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
-from gpuid_agent.state.health.model import Transition
 from gpuid_agent.state.health.monitor import HealthConfig, HealthMonitor, log_transitions
+from gpuid_agent.state.health.verdicts import Transition
 from gpuid_agent.state.health.workloads import with_holders
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot

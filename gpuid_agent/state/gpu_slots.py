@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 
 import orjson
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.state.state_file import WireRecord, write_atomically
 

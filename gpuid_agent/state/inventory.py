@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Literal
 
-from gpuid_agent.model import GpuIdentity, NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 
 ChangeKind = Literal["added", "removed", "changed", "node"]
 _NODE_FIELDS = ("node", "cluster", "machine", "driver_version")

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from gpuid_agent.model import GpuSample, NodeInventory
-from gpuid_agent.state.attribution.model import Attribution
+from gpuid_agent.facts import GpuSample, NodeInventory
+from gpuid_agent.state.attribution.holders import Attribution
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
-from gpuid_agent.state.health.model import NodeHealth, Transition
+from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 
 Cause = Literal["collection", "xid", "attribution"]
 

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.node.labels.values import label_value
 
 ANNOTATION_NAME = "gpus"

@@ -18,16 +18,16 @@ from typing import Any
 
 from kubernetes_asyncio import client as k8s_client
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.node.labels.layout import (
     DesiredState,
     annotation_key,
     desired_state,
     is_own_label,
 )
-from gpuid_agent.node.labels.metrics import LabelMetrics
 from gpuid_agent.node.labels.policy import REASONS, Failure, classify
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.metrics import LabelMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.node.labels.reconciler import COMPONENT, LabelledNode, NodeLabeler
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.metrics import AgentMetrics

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, Protocol
 
-from gpuid_agent.model import PlatformInfo
-from gpuid_agent.sources.nvml.processes import ProcessInfo, ProcessSample
+from gpuid_agent.facts import PlatformInfo
+from gpuid_agent.sources.nvml.process_reader import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 Handle = Any

@@ -12,7 +12,7 @@ from typing import Any
 
 import pynvml
 
-from gpuid_agent.model import NVLINK_COUNTERS, NvLink, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.errors import ABSENT, NvmlFault, fault, lost_error

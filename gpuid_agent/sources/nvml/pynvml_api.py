@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpuid_agent.model import PlatformInfo
+from gpuid_agent.facts import PlatformInfo
 from gpuid_agent.runtime.errors import NvmlUnavailableError
 from gpuid_agent.sources.nvml.api import EventSet, Handle
 from gpuid_agent.sources.nvml.errors import OLDER_CALL, NvmlFault, fault
-from gpuid_agent.sources.nvml.processes import (
+from gpuid_agent.sources.nvml.process_reader import (
     ProcessInfo,
     ProcessSample,
     instance_id,

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from gpuid_agent.model import GpuIdentity, GpuSample, MigDevice
+from gpuid_agent.facts import GpuIdentity, GpuSample, MigDevice
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi

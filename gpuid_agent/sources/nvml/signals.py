@@ -13,7 +13,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import NamedTuple
 
-from gpuid_agent.model import NVLINK_COUNTERS, NvLink, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
 
 __all__ = ["NVLINK_COUNTERS", "NvLink", "PcieLink"]
 

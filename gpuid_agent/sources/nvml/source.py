@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import pynvml
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlStalledError, NvmlUnavailableError
 from gpuid_agent.sources.nvml.api import NvmlApi

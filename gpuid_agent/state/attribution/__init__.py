@@ -1,18 +1,18 @@
 """Which containers hold which GPUs: kubelet device ids mapped onto the NVML inventory."""
 
-from gpuid_agent.state.attribution.mapping import (
-    DeviceIndex,
-    attribute,
-    count_allocatable_gpus,
-    make_holder,
-)
-from gpuid_agent.state.attribution.model import (
+from gpuid_agent.state.attribution.holders import (
     UNAVAILABLE,
     Allocation,
     Attribution,
     Claim,
     Holder,
     Unmapped,
+)
+from gpuid_agent.state.attribution.mapping import (
+    DeviceIndex,
+    attribute,
+    count_allocatable_gpus,
+    make_holder,
 )
 
 __all__ = [

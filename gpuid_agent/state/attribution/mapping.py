@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
-from gpuid_agent.model import GpuIdentity, MigDevice, NodeInventory
+from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import (
     ClaimAssignment,
@@ -24,7 +24,7 @@ from gpuid_agent.sources.kubelet import (
     parse_device_id,
 )
 from gpuid_agent.state.attribution.dra import SliceLookup, resolve_claim
-from gpuid_agent.state.attribution.model import (
+from gpuid_agent.state.attribution.holders import (
     UNAVAILABLE,
     Allocation,
     Attribution,

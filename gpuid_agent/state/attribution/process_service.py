@@ -8,16 +8,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlError
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.calls import FieldCalls
-from gpuid_agent.sources.nvml.processes import GpuProcesses, ProcessReader
+from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessReader
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.procfs import CgroupOwner, HostProc
-from gpuid_agent.state.attribution.model import Attribution
-from gpuid_agent.state.attribution.processes import share_processes
+from gpuid_agent.state.attribution.holders import Attribution
+from gpuid_agent.state.attribution.process_mapping import share_processes
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 
 _log = log.get("processes")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
@@ -19,8 +19,8 @@ from gpuid_agent.sources.kube.pods import PodCache, PodDirectory
 from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache
 from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
 from gpuid_agent.state.attribution.dra import slice_gpu_count
+from gpuid_agent.state.attribution.holders import UNAVAILABLE, Attribution, Unmapped
 from gpuid_agent.state.attribution.mapping import attribute
-from gpuid_agent.state.attribution.model import UNAVAILABLE, Attribution, Unmapped
 
 _log = log.get("attribution")
 _EXAMPLES = 5

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from gpuid_agent.state.attribution.model import Holder
+from gpuid_agent.state.attribution.holders import Holder
 
 ProcessState = Literal["off", "current", "unavailable"]
 UNACCOUNTED = "unaccounted"

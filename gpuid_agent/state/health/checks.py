@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from gpuid_agent.sources.nvml.signals import EccCounts, RemappedRows
 from gpuid_agent.state.health.clocks import SLOWDOWN_REASONS, decode_clock_reasons
-from gpuid_agent.state.health.model import HEALTHY, Verdict
+from gpuid_agent.state.health.verdicts import HEALTHY, Verdict
 from gpuid_agent.state.health.xid import XidClass
 
 # A hardware slowdown reason active in at least this share of the window's samples makes the

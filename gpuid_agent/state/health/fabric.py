@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpuid_agent.sources.nvml.signals import FabricInfo
-from gpuid_agent.state.health.model import Verdict
+from gpuid_agent.state.health.verdicts import Verdict
 
 STATE_NOT_SUPPORTED, STATE_NOT_STARTED, STATE_IN_PROGRESS, STATE_COMPLETED = 0, 1, 2, 3
 SUMMARY_HEALTHY, SUMMARY_UNHEALTHY, SUMMARY_LIMITED = 1, 2, 3

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuid_agent.model import NVLINK_COUNTERS, NvLink, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
 from gpuid_agent.state.health.checks import CounterWindow, format_window
-from gpuid_agent.state.health.model import HEALTHY, Verdict
+from gpuid_agent.state.health.verdicts import HEALTHY, Verdict
 
 # GPU utilization (percent) from which the link generation is judged
 BUSY_UTILIZATION = 10.0

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpuid_agent.model import NodeInventory
+from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.nvml.health import HealthReader
@@ -18,8 +18,8 @@ from gpuid_agent.sources.nvml.reader import NvmlReading
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.nvml.xid import XidWatcher
-from gpuid_agent.state.health.model import NodeHealth, Transition
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 
 _log = log.get("health")
 EXPECTED_CONFIGURED = "EXPECTED_GPU_COUNT"

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieLink, XidEvent
 from gpuid_agent.state.health import checks as rules
 from gpuid_agent.state.health.fabric import fabric_verdict
 from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
-from gpuid_agent.state.health.model import (
+from gpuid_agent.state.health.verdicts import (
     GPU_CHECKS,
     CheckStatus,
     GpuHealth,

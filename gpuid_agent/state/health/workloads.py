@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from gpuid_agent.model import NodeInventory
-from gpuid_agent.state.attribution.model import Attribution, Holder
-from gpuid_agent.state.health.model import NodeHealth, Transition
+from gpuid_agent.facts import NodeInventory
+from gpuid_agent.state.attribution.holders import Attribution, Holder
+from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 
 
 def gpu_holders(

@@ -23,7 +23,7 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any, Literal, cast
 
-from gpuid_agent.state.health.model import ACTIONS, Action
+from gpuid_agent.state.health.verdicts import ACTIONS, Action
 
 XidState = Literal["healthy", "degraded", "unhealthy"]
 _STATES = ("healthy", "degraded", "unhealthy")

@@ -8,8 +8,8 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
-from gpuid_agent.model import HealthState, NvLink, PcieLink
-from gpuid_agent.state.attribution.model import Holder
+from gpuid_agent.facts import HealthState, NvLink, PcieLink
+from gpuid_agent.state.attribution.holders import Holder
 
 CheckState = Literal["healthy", "degraded", "unhealthy", "not_supported", "unknown"]
 Action = Literal["none", "check_workload", "reboot", "hardware_inspection"]

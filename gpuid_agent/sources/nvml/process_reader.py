@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpuid_agent.model import GpuIdentity
+from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.calls import FieldCalls
 

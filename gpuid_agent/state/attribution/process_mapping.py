@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
-from gpuid_agent.model import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
-from gpuid_agent.sources.nvml.processes import GpuProcesses, ProcessInfo
+from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo
 from gpuid_agent.sources.procfs import CgroupOwner
+from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.mapping import make_holder
-from gpuid_agent.state.attribution.model import Attribution, Holder
 from gpuid_agent.state.attribution.shares import (
     UNACCOUNTED,
     UNKNOWN_POD,
