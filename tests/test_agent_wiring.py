@@ -12,7 +12,8 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.environment import SimulatedNode, node_environment
 from gpuid_agent.sources.host import HostNode
 from gpuid_agent.sources.kubelet import PodResourcesClient
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 def readings(out: io.BytesIO) -> list[dict[str, object]]:

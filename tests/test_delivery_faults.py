@@ -18,7 +18,8 @@ from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.delivery_support import Tmpfs, tiny_tmpfs, tmp_files, tmpfs
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
+from tests.waiting import eventually
 
 __all__ = ["tiny_tmpfs", "tmpfs"]
 

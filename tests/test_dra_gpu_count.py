@@ -18,7 +18,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.kube.resourceslices import slice_devices
 from gpuid_agent.state.attribution.dra import slice_gpu_count
 from tests import conftest
-from tests.conftest import eventually, running_agent
+from tests.conftest import running_agent
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
@@ -31,6 +31,7 @@ from tests.test_dra_agent import (
     nvml_config,
     samples,
 )
+from tests.waiting import eventually
 
 
 def devices_of(*slices: dict[str, Any]) -> list[Any]:

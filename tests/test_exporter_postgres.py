@@ -20,8 +20,9 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import BASE_TIME, allocation, eventually, readings, spool_files
+from tests.exporter_support import BASE_TIME, allocation, readings, spool_files
 from tests.servers.postgres import PostgresCluster
+from tests.waiting import eventually
 
 Factory = Callable[..., PostgresExporter]
 

@@ -29,9 +29,10 @@ from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml
-from tests.conftest import eventually, running_agent
+from tests.conftest import running_agent
 from tests.conftest import settings as agent_settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 NOT_SUPPORTED = fakenvml.NVML_ERROR_NOT_SUPPORTED
 # sample key → FakeGpu field; the reader's own, then those taken from the health read

@@ -19,8 +19,9 @@ from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch, changes
 from gpuid_agent.sources.nvml.api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 buses = st.text(alphabet="0123456789abcdef:.", min_size=1, max_size=16)
 serials = st.text(min_size=1, max_size=12)

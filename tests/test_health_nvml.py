@@ -21,8 +21,9 @@ from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 
 class Run:

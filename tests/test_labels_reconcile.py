@@ -17,9 +17,9 @@ from gpuid_agent.node.labels import NodeLabeler, NodeSnapshot
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, request_counter
-from tests.conftest import eventually
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 from tests.test_labels_layout import gb200, gpu, h100, inventory
+from tests.waiting import eventually
 
 P = "gpuid.github.com"
 NODE = "gpu-node-1"

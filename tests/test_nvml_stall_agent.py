@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 
 from tests import fakenvml
-from tests.conftest import eventually
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 GRACE = 2.0
 STALL = 1.0

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from gpuid_agent.sources.kube.client import WATCH_LINE_LIMIT, create_kube_client, watch_lines
 from gpuid_agent.sources.kube.pods import PodCache
-from tests.conftest import eventually
 from tests.fakekube import FakeKube, objects, write_kubeconfig
+from tests.waiting import eventually
 
 NODE = "node-a"
 _serial = itertools.count(1)  # pod names unique across hypothesis examples on one server

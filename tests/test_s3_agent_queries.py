@@ -10,9 +10,10 @@ from typing import Any
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.simulate.profiles import PROFILES
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import ask, connect, download
+from tests.waiting import eventually
 
 NODE = "sim-1"
 CLUSTER = "sim east"  # a space: escaped in the key, whole in the queries

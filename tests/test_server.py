@@ -12,7 +12,8 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.nvml.api import PynvmlApi
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 def _url(agent: Agent, path: str) -> str:

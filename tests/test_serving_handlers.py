@@ -12,7 +12,8 @@ import orjson
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 class HangingHealth(Exporter):

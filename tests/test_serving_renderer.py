@@ -24,7 +24,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.model import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
-from tests.conftest import eventually
+from tests.waiting import eventually
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 

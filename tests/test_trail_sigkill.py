@@ -35,10 +35,10 @@ from gpuid_agent.simulate.profiles import gb200x4
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.state.attribution import Attribution, attribute
 from gpuid_agent.state.inventory import build_inventory
-from tests.conftest import eventually
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
+from tests.waiting import eventually
 
 NODE = "sim-trailkill"
 RESOURCE = "nvidia.com/gpu"
