@@ -124,7 +124,7 @@ async def test_401_then_200_holds_every_batch_and_delivers_all(
         assert health.reason is not None and health.reason.startswith("authentication")
         described = json.dumps(worker.describe())
         refuse["on"] = False  # the operator fixed the credentials
-        await receiver.wait_until(lambda: receiver.accepted_ids() >= {r["record_id"] for r in sent})
+        await eventually(lambda: receiver.accepted_ids() >= {r["record_id"] for r in sent})
         worker.close_intake()
         await asyncio.wait_for(task, 10)
     finally:
