@@ -28,21 +28,22 @@ async def eventually(
     """Call `check` (plain or async) every `step` seconds until it returns something truthy,
     and return that. Exceptions of the types in `ignoring` count as "not yet" (a server still
     starting); any other exception fails the wait at once, as it would in the test itself.
-    After `within` seconds it fails naming `what` (or the check's source) and what it last saw."""
-    seen = _Seen(check, within, what)
+    After `within` seconds it fails naming `what` (or the check's source) and what the last
+    attempt returned or raised."""
+    deadline = _Deadline(check, within, what)
     while True:
         try:
             value = check()
             if inspect.isawaitable(value):
                 value = await value
         except ignoring as exc:
-            seen.error = exc
+            if deadline.passed():
+                raise deadline.failure(f"last error {exc!r}") from exc
         else:
             if value:
                 return value
-            seen.value, seen.error = value, None
-        if seen.over():
-            raise seen.failure() from seen.error
+            if deadline.passed():
+                raise deadline.failure(f"last value {value!r}")
         await asyncio.sleep(step)
 
 
@@ -56,38 +57,37 @@ def eventually_blocking(
 ) -> Any:
     """`eventually` for code that runs outside an event loop (starting a server or a
     subprocess, a test with threads): the same contract, blocking the calling thread."""
-    seen = _Seen(check, within, what)
+    deadline = _Deadline(check, within, what)
     while True:
         try:
             value = check()
         except ignoring as exc:
-            seen.error = exc
+            if deadline.passed():
+                raise deadline.failure(f"last error {exc!r}") from exc
         else:
             if inspect.isawaitable(value):  # always truthy: the wait could never fail
-                raise TypeError(f"{seen.what}: an async check needs `await eventually(...)`")
+                raise TypeError(f"{deadline.what}: an async check needs `await eventually()`")
             if value:
                 return value
-            seen.value, seen.error = value, None
-        if seen.over():
-            raise seen.failure() from seen.error
+            if deadline.passed():
+                raise deadline.failure(f"last value {value!r}")
         time.sleep(step)
 
 
-class _Seen:
-    """What one wait has seen so far, for the message it fails with."""
+class _Deadline:
+    """When one wait gives up, and what it says then. Only the last attempt is reported:
+    an exception kept from one attempt to the next would hold its frames (and the sockets
+    in them) alive."""
 
     def __init__(self, check: Callable[[], Any], within: float, what: str | None) -> None:
         self.what = what or _describe(check)
         self.within = within
-        self.deadline = time.monotonic() + within
-        self.value: Any = None
-        self.error: BaseException | None = None
+        self.at = time.monotonic() + within
 
-    def over(self) -> bool:
-        return time.monotonic() > self.deadline
+    def passed(self) -> bool:
+        return time.monotonic() > self.at
 
-    def failure(self) -> AssertionError:
-        last = f"last error {self.error!r}" if self.error else f"last value {self.value!r}"
+    def failure(self, last: str) -> AssertionError:
         return AssertionError(f"not met within {self.within}s: {self.what} ({last})")
 
 
