@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
@@ -363,7 +362,14 @@ async def test_crash_after_commit_replays_without_duplicates(
     assert not spool_files(tmp_path / "postgres")
 
 
-async def test_export_meta_is_optional(make: Factory) -> None:
-    await make().export(readings(1), BatchMeta.new())
-    await make().export([])
-    logging.getLogger(__name__).debug("empty batch accepted")
+async def test_export_meta_is_optional(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
+    exporter = make()
+    await exporter.export(readings(1), BatchMeta.new())
+    await exporter.export(readings(1, node="n2"))  # no meta: the batch alone
+    await exporter.export([])  # an empty batch is accepted and writes nothing
+    table = f"{pg_schema}.gpu_readings"
+    assert await count(db, table) == 8
+    assert await count(db, table, "node = 'n2'") == 4
+    assert await count(db, f"{pg_schema}.gpu_events") == 0

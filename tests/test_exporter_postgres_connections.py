@@ -76,7 +76,7 @@ async def test_health_probes_open_no_connection(
     prober = asyncio.create_task(worker.probe_loop())
     try:
         samples = []
-        for _ in range(25):
+        for _ in range(25):  # sampled for 1 s, some 50 probe intervals: never a connection
             await asyncio.sleep(0.04)
             samples.append(await held(db, sink.application_name))
         assert samples == [0] * 25

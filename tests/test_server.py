@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import asyncio
 import io
+from typing import Any
 
 import aiohttp
 import orjson
@@ -133,10 +133,13 @@ async def test_a_dead_task_fails_liveness() -> None:
         aiohttp.ClientSession() as http,
     ):
         agent.supervisor.spawn("extra", boom())
-        await asyncio.sleep(0.05)
-        async with http.get(_url(agent, "/healthz")) as resp:
-            assert resp.status == 503
-            assert "task extra RuntimeError: kaput" in (await resp.json())["problems"]
+
+        async def unhealthy() -> Any:
+            async with http.get(_url(agent, "/healthz")) as resp:
+                return await resp.json() if resp.status == 503 else None
+
+        body = await eventually(unhealthy)
+        assert "task extra RuntimeError: kaput" in body["problems"]
 
 
 async def test_lost_gpu_keeps_its_identity_and_degrades() -> None:
