@@ -66,6 +66,8 @@ def eventually_blocking(
                 raise deadline.failure(f"last error {exc!r}") from exc
         else:
             if inspect.isawaitable(value):  # always truthy: the wait could never fail
+                if inspect.iscoroutine(value):
+                    value.close()
                 raise TypeError(f"{deadline.what}: an async check needs `await eventually()`")
             if value:
                 return value
