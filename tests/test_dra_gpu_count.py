@@ -99,7 +99,13 @@ async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
                 return agent.health.snapshot().node_checks.get("gpu_count")
 
             await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
-            status = orjson.loads(await get(agent, "/status"))
+
+            async def kubelet_read() -> Any:  # the device plugin's count, once it was asked
+                status = orjson.loads(await get(agent, "/status"))
+                allocatable = status["attribution"]["kubelet"]["gpu_devices_allocatable"]
+                return status if allocatable is not None else None
+
+            status = await eventually(kubelet_read)
             assert status["health"]["expected_gpus"] == {
                 "count": 3,
                 "source": "DRA ResourceSlices",
