@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -63,18 +62,6 @@ def node_health(agent: Agent) -> NodeHealth:
     health records read); empty before the first snapshot."""
     last = agent.bus.latest
     return NodeHealth() if last is None else last.health
-
-
-async def eventually(check: Callable[[], Any], within: float = 10.0, step: float = 0.02) -> Any:
-    """Poll `check` until it returns something truthy; fail with its last value."""
-    deadline = asyncio.get_running_loop().time() + within
-    value = None
-    while asyncio.get_running_loop().time() < deadline:
-        value = check()
-        if value:
-            return value
-        await asyncio.sleep(step)
-    raise AssertionError(f"condition not met within {within}s (last value {value!r})")
 
 
 @pytest.fixture

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -95,22 +92,6 @@ def allocation(
         record["allocation_id"] = allocation_id
     record["record_id"] = record_id(record)
     return record
-
-
-async def eventually(
-    check: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05
-) -> Any:
-    """Poll an (async or plain) check until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(interval)
 
 
 def spool_files(directory: Path) -> list[Path]:

@@ -13,7 +13,8 @@ from gpuid_agent.setup.environment import node_environment
 from gpuid_agent.simulate.node import SimulatedNode
 from gpuid_agent.sources.host import HostNode
 from gpuid_agent.sources.kubelet import PodResourcesClient
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 def readings(out: io.BytesIO) -> list[dict[str, object]]:

@@ -18,9 +18,10 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 Holders = set[tuple[str, str, str]]
 NOBODY: Holders = {("", "", "")}

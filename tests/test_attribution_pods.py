@@ -21,10 +21,11 @@ from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.sources.kube.pods import PodCache
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import FakeKubelet, pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 NODE = "node-a"
 

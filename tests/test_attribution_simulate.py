@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.test_attribution_agent import rendered_with_pods
+from tests.waiting import eventually
 
 
 async def test_simulated_mig_node_has_pods_on_a_shared_gpu_and_mig_devices() -> None:

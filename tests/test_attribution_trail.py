@@ -22,9 +22,10 @@ from gpuid_agent.state.allocation_trail import STATE_FILE
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekubelet import FakeKubelet, pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 
 def make_agent(fake: FakeNvml, kubelet: FakeKubelet, out: io.BytesIO, **overrides: Any) -> Agent:

@@ -4,13 +4,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
+from tests.waiting import eventually_blocking
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]
 
@@ -72,24 +72,18 @@ def test_inventory_without_driver_fails_clearly(subprocess_env: dict[str, str]) 
 
 
 def _wait_ready(port: int, proc: subprocess.Popen[bytes], within: float = 20) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("agent did not become ready")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return resp.status == 200
+
+    eventually_blocking(ready, within=within, ignoring=(OSError,), what="/readyz answering 200")
 
 
 def _wait_emitted(port: int, counts: dict[str, float], within: float = 20) -> None:
     """Poll /metrics until gpuid_records_emitted_total reaches `counts` for each kind."""
-    deadline = time.monotonic() + within
-    seen: dict[str, float] = {}
-    while time.monotonic() < deadline:
+
+    def emitted() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as resp:
             text = resp.read().decode()
         seen = {
@@ -98,10 +92,12 @@ def _wait_emitted(port: int, counts: dict[str, float], within: float = 20) -> No
             for sample in family.samples
             if sample.name == "gpuid_records_emitted_total"
         }
-        if all(seen.get(kind, 0) >= n for kind, n in counts.items()):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"records emitted {seen}, expected at least {counts}")
+        assert all(seen.get(kind, 0) >= n for kind, n in counts.items()), f"emitted {seen}"
+        return True
+
+    eventually_blocking(
+        emitted, within=within, ignoring=(AssertionError,), what=f"at least {counts} emitted"
+    )
 
 
 def test_sigterm_flushes_every_queued_record(subprocess_env: dict[str, str]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.waiting import eventually_blocking
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]
 
@@ -147,7 +148,6 @@ def test_no_command_runs_the_agent(subprocess_env: dict[str, str]) -> None:
 
 def test_no_command_serves_until_sigterm(subprocess_env: dict[str, str]) -> None:
     import signal
-    import time
     import urllib.request
 
     port = free_port()
@@ -156,17 +156,14 @@ def test_no_command_serves_until_sigterm(subprocess_env: dict[str, str]) -> None
         [*AGENT, "--simulate", "gb200x4"], env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+    def status() -> str:
+        assert proc.poll() is None, proc.communicate()[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=1) as r:
+            return r.read().decode()
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=1) as r:
-                    body = r.read().decode()
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "no /status"
-                time.sleep(0.1)
+        body = eventually_blocking(status, within=30, ignoring=(OSError,), what="/status")
         assert '"simulate":"gb200x4"' in body.replace(" ", "")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

@@ -19,9 +19,9 @@ import asyncpg
 import pytest
 
 from tests.delivery_support import Tmpfs, mount_tmpfs, tmp_files
-from tests.exporter_support import eventually
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
+from tests.waiting import eventually
 
 QUEUE_SIZE = 100
 FIGURES: dict[str, Any] = {}  # printed with -s: the numbers the fault runs measured
@@ -91,7 +91,7 @@ async def agent(tmp_path: Path, subprocess_env: dict[str, str]) -> AsyncIterator
             **env,
         }
         proc = spawn(full, log, out)
-        port = await eventually(lambda: proc.poll() is None and started_port(log), timeout=30)
+        port = await eventually(lambda: proc.poll() is None and started_port(log), within=30)
         running = Running(proc, f"http://127.0.0.1:{port}", out, aiohttp.ClientSession())
         procs.append(running)
         return running
@@ -144,7 +144,7 @@ async def test_read_only_spool_mid_run_degrades_only_that_spool_and_recovers(
             http = await running.exporter("http")
             return http if http["component"]["state"] == "degraded" else None
 
-        http = await eventually(degraded, timeout=30)
+        http = await eventually(degraded, within=30)
         assert "Read-only file system" in http["component"]["reason"]
         assert f"spool {spool_fs.path / 'http'}" in http["component"]["reason"]
         # both keep delivering, and nothing died
@@ -153,7 +153,7 @@ async def test_read_only_spool_mid_run_degrades_only_that_spool_and_recovers(
                 len(receiver.accepted_ids()) >= seen_http + 100
                 and running.stdout_records() >= seen_stdout + 100
             ),
-            timeout=30,
+            within=30,
         )
         status, _ = await running.get("/healthz")
         assert status == 200
@@ -161,7 +161,7 @@ async def test_read_only_spool_mid_run_degrades_only_that_spool_and_recovers(
         assert held <= QUEUE_SIZE
     finally:
         spool_fs.writable()
-    await eventually(lambda: _ok(running, "http"), timeout=30)
+    await eventually(lambda: _ok(running, "http"), within=30)
     resumed = len(receiver.accepted_ids())
     await eventually(lambda: len(receiver.accepted_ids()) > resumed + 20)
     _, metrics = await running.get("/metrics")
@@ -194,7 +194,7 @@ async def test_full_spool_disk_keeps_memory_bounded_and_counts_drops(
             metrics, "http"
         )
 
-    drops = await eventually(dropping, timeout=60)
+    drops = await eventually(dropping, within=60)
     http = await running.exporter("http")
     assert "No space left on device" in http["component"]["reason"]
     assert http["max_memory_records"] <= QUEUE_SIZE
@@ -240,7 +240,7 @@ async def test_readyz_polls_open_no_database_connection(
             except asyncpg.UndefinedTableError:
                 return False
 
-        await eventually(written, timeout=30)
+        await eventually(written, within=30)
         await eventually(lambda: _ok(running, "postgres"))
         mine = await db.fetchval("SELECT pg_backend_pid()")
         since = await db.fetchval("SELECT clock_timestamp()")

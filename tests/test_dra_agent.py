@@ -19,10 +19,11 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import ClaimDevice, FakeKubelet, KubeletClaim, claim_pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 NODE = "node-a"
 GPU = "gpu.nvidia.com"

@@ -18,7 +18,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.kube.resourceslices import slice_devices
 from gpuid_agent.state.attribution.dra import slice_gpu_count
 from tests import conftest
-from tests.conftest import eventually, node_health, running_agent
+from tests.conftest import node_health, running_agent
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
@@ -31,6 +31,7 @@ from tests.test_dra_agent import (
     nvml_config,
     samples,
 )
+from tests.waiting import eventually
 
 
 def devices_of(*slices: dict[str, Any]) -> list[Any]:
@@ -98,7 +99,13 @@ async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
                 return node_health(agent).node_checks.get("gpu_count")
 
             await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
-            status = orjson.loads(await get(agent, "/status"))
+
+            async def kubelet_read() -> Any:  # the device plugin's count, once it was asked
+                status = orjson.loads(await get(agent, "/status"))
+                allocatable = status["attribution"]["kubelet"]["gpu_devices_allocatable"]
+                return status if allocatable is not None else None
+
+            status = await eventually(kubelet_read)
             assert status["health"]["expected_gpus"] == {
                 "count": 3,
                 "source": "DRA ResourceSlices",

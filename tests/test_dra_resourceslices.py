@@ -20,9 +20,9 @@ from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache, slice_devices
 from gpuid_agent.sources.kubelet import ClaimAssignment, PodResourcesSnapshot
 from gpuid_agent.state.attribution import attribute
-from tests.conftest import eventually
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.test_dra_claims import MIG_3G, NODE, UUIDS, inventory
+from tests.waiting import eventually
 
 GPU = "gpu.nvidia.com"
 MIG_NEW = "MIG-bbbbbbbb-1111-4222-8333-444444444444"

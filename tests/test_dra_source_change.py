@@ -11,11 +11,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.conftest import eventually, running_agent
+from tests.conftest import running_agent
 from tests.fakekube import FakeKube, write_kubeconfig
 from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_dra_agent import claim_rows, get, kubelet_pods, make_agent, node_slice, nvml_config
+from tests.waiting import eventually
 
 
 async def test_the_source_moves_on_while_the_start_record_stays(

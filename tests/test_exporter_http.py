@@ -19,9 +19,10 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
 from tests.servers.receiver import Receiver, Reply
 from tests.servers.tls import make_ca_and_server
+from tests.waiting import eventually
 
 Factory = Callable[..., HttpExporter]
 FAST = BatchPolicy(

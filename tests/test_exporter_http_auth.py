@@ -22,8 +22,9 @@ from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.log import JsonFormatter
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.conftest import settings
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
 from tests.servers.receiver import Received, Receiver, Reply
+from tests.waiting import eventually
 
 FAST = BatchPolicy(
     batch_size=4, flush_interval=0.02, retry_count=1, backoff_base=0.01, backoff_max=0.05
@@ -123,7 +124,7 @@ async def test_401_then_200_holds_every_batch_and_delivers_all(
         assert health.reason is not None and health.reason.startswith("authentication")
         described = json.dumps(worker.describe())
         refuse["on"] = False  # the operator fixed the credentials
-        await receiver.wait_until(lambda: receiver.accepted_ids() >= {r["record_id"] for r in sent})
+        await eventually(lambda: receiver.accepted_ids() >= {r["record_id"] for r in sent})
         worker.close_intake()
         await asyncio.wait_for(task, 10)
     finally:

@@ -22,9 +22,10 @@ from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
 from tests.servers.otlp import Answer, OtlpReceiver
 from tests.servers.tls import make_ca_and_server
+from tests.waiting import eventually
 
 Factory = Callable[..., OtlpExporter]
 FAST = BatchPolicy(

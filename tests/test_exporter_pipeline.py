@@ -23,9 +23,10 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, Pipeline, build_pipeline
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
+from tests.waiting import eventually
 
 FAST = BatchPolicy(
     batch_size=4,

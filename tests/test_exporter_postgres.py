@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
@@ -20,8 +19,9 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import BASE_TIME, allocation, eventually, readings, spool_files
+from tests.exporter_support import BASE_TIME, allocation, readings, spool_files
 from tests.servers.postgres import PostgresCluster
+from tests.waiting import eventually
 
 Factory = Callable[..., PostgresExporter]
 
@@ -362,7 +362,14 @@ async def test_crash_after_commit_replays_without_duplicates(
     assert not spool_files(tmp_path / "postgres")
 
 
-async def test_export_meta_is_optional(make: Factory) -> None:
-    await make().export(readings(1), BatchMeta.new())
-    await make().export([])
-    logging.getLogger(__name__).debug("empty batch accepted")
+async def test_export_meta_is_optional(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
+    exporter = make()
+    await exporter.export(readings(1), BatchMeta.new())
+    await exporter.export(readings(1, node="n2"))  # no meta: the batch alone
+    await exporter.export([])  # an empty batch is accepted and writes nothing
+    table = f"{pg_schema}.gpu_readings"
+    assert await count(db, table) == 8
+    assert await count(db, table, "node = 'n2'") == 4
+    assert await count(db, f"{pg_schema}.gpu_events") == 0

@@ -19,8 +19,9 @@ from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import readings
 from tests.servers.postgres import PostgresCluster
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ async def test_connection_closed_after_idle(
     try:
         await sink.export(readings(1))
         assert await held(db, sink.application_name) == 1
-        await eventually(lambda: _none(db, sink.application_name), timeout=15, interval=0.1)
+        await eventually(lambda: _none(db, sink.application_name), within=15, step=0.1)
         await sink.export(readings(1, node="again"))  # and it comes back when needed
         assert await db.fetchval(f"SELECT count(*) FROM {pg_schema}.gpu_readings") == 8
     finally:
@@ -76,7 +77,7 @@ async def test_health_probes_open_no_connection(
     prober = asyncio.create_task(worker.probe_loop())
     try:
         samples = []
-        for _ in range(25):
+        for _ in range(25):  # sampled for 1 s, some 50 probe intervals: never a connection
             await asyncio.sleep(0.04)
             samples.append(await held(db, sink.application_name))
         assert samples == [0] * 25
@@ -124,7 +125,7 @@ async def test_server_restart_reconnects_and_loses_nothing(
             sent += batch
             for record in batch:
                 await worker.put(record)
-        await eventually(lambda: worker.delivered_records == len(sent), timeout=20)
+        await eventually(lambda: worker.delivered_records == len(sent), within=20)
         await asyncio.to_thread(postgres.stop_server, "fast")  # the held connection dies
         try:
             for i in range(5):
@@ -132,12 +133,12 @@ async def test_server_restart_reconnects_and_loses_nothing(
                 sent += batch
                 for record in batch:
                     await worker.put(record)
-            await eventually(lambda: worker.consecutive_failures > 0, timeout=20)
+            await eventually(lambda: worker.consecutive_failures > 0, within=20)
             assert not worker.health().ok
             assert spool.records > 0  # held on disk meanwhile
         finally:
             await asyncio.to_thread(postgres.start_server)
-        await eventually(lambda: worker.delivered_records == len(sent), timeout=30)
+        await eventually(lambda: worker.delivered_records == len(sent), within=30)
     finally:
         worker.close_intake()
         await asyncio.wait_for(task, 20)

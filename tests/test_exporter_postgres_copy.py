@@ -28,8 +28,9 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import REJECTED_DIR, DiskSpool
 from gpuid_agent.runtime.errors import CorruptBatchError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import allocation, eventually, readings, spool_files
+from tests.exporter_support import allocation, readings, spool_files
 from tests.servers.postgres import PostgresCluster
+from tests.waiting import eventually
 
 Factory = Callable[..., PostgresExporter]
 
@@ -73,7 +74,7 @@ async def drain(exporter: PostgresExporter, spool: DiskSpool, metrics: AgentMetr
         exporter, BatchPolicy(batch_size=10, flush_interval=0.01), metrics, store=spool
     )
     task = asyncio.create_task(worker.run())
-    await eventually(lambda: spool.batches == 0, timeout=60)
+    await eventually(lambda: spool.batches == 0, within=60)
     worker.close_intake()
     await asyncio.wait_for(task, 20)
 
@@ -331,7 +332,7 @@ async def test_batches_held_in_memory_drain_joined_too(
         make(), BatchPolicy(batch_size=10, flush_interval=0.01), metrics, store=store
     )
     task = asyncio.create_task(worker.run())
-    await eventually(lambda: store.batches == 0, timeout=30)
+    await eventually(lambda: store.batches == 0, within=30)
     worker.close_intake()
     await asyncio.wait_for(task, 20)
     assert deliveries(metrics) == 1  # 40 held batches, one transaction

@@ -32,8 +32,9 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import allocation, eventually, readings
+from tests.exporter_support import allocation, readings
 from tests.servers.s3 import MotoServer
+from tests.waiting import eventually
 
 Factory = Callable[..., S3Exporter]
 KEY = re.compile(

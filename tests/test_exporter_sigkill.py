@@ -12,9 +12,10 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.exporter_support import eventually, spool_files, spooled_record_ids
+from tests.exporter_support import spool_files, spooled_record_ids
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
+from tests.waiting import eventually
 
 
 def spooled_ids(spool: Path) -> set[str]:
@@ -75,8 +76,8 @@ async def test_sigkill_mid_batch_then_restart_loses_nothing(
             except asyncpg.UndefinedTableError:
                 return 0
 
-        await eventually(lambda: len(receiver.accepted_ids()) >= 8, timeout=30)
-        await eventually(lambda: rows(), timeout=30)
+        await eventually(lambda: len(receiver.accepted_ids()) >= 8, within=30)
+        await eventually(lambda: rows(), within=30)
         # Stall both sinks mid-batch: the receiver holds its answer, the table is locked.
         receiver.default = Reply(503, hold=True)
         seen_before_stall = len(receiver.requests)
@@ -110,8 +111,8 @@ async def test_sigkill_mid_batch_then_restart_loses_nothing(
             stored = set(await db.fetchval(f"SELECT array_agg(record_id) FROM {table}") or [])
             return must_arrive <= stored
 
-        await eventually(all_stored, timeout=40)
-        await eventually(lambda: must_arrive <= receiver.accepted_ids(), timeout=40)
+        await eventually(all_stored, within=40)
+        await eventually(lambda: must_arrive <= receiver.accepted_ids(), within=40)
         second.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(second.wait, 30) == 0
     finally:

@@ -33,9 +33,10 @@ from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
 from tests import fakenvml
-from tests.conftest import eventually, running_agent
+from tests.conftest import running_agent
 from tests.conftest import settings as agent_settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 NOT_SUPPORTED = fakenvml.NVML_ERROR_NOT_SUPPORTED
 # sample key → FakeGpu field; the reader's own, then those taken from the health read

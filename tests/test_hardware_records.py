@@ -22,9 +22,10 @@ from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.gpu_slots import GpuSlots, changes
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_records_bus import snapshot
+from tests.waiting import eventually
 
 buses = st.text(alphabet="0123456789abcdef:.", min_size=1, max_size=16)
 serials = st.text(min_size=1, max_size=12)

@@ -14,8 +14,9 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.node.conditions import MESSAGE_LIMIT, desired_conditions
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.state.health.verdicts import CheckStatus, GpuHealth, NodeHealth
-from tests.conftest import eventually, node_health, running_agent, settings
+from tests.conftest import node_health, running_agent, settings
 from tests.fakekube import FakeKube, write_kubeconfig
+from tests.waiting import eventually
 
 STATUS_PATH = "/api/v1/nodes/node-a/status"
 

@@ -14,9 +14,10 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, node_health, running_agent, settings
+from tests.conftest import node_health, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_health_nvml import agent_on
+from tests.waiting import eventually
 
 
 def _node(n: int = 4, *, nvlinks: int | None = 18) -> fakenvml.FakeNvmlConfig:

@@ -21,8 +21,9 @@ from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
-from tests.conftest import eventually, node_health, running_agent, settings
+from tests.conftest import node_health, running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 
 class Run:

@@ -17,7 +17,8 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from tests.conftest import eventually, node_health, running_agent, settings
+from tests.conftest import node_health, running_agent, settings
+from tests.waiting import eventually
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]
 

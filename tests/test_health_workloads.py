@@ -18,11 +18,12 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube
 from tests.fakekubelet import FakeKubelet, pod
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_attribution_pods import kube, kubeconfig, workloads
+from tests.waiting import eventually
 
 __all__ = ["kube", "kubeconfig"]  # fixtures
 

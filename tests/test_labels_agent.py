@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.base import Exporter, Record
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
+from tests.waiting import eventually
 
 P = "gpuid.github.com"
 NODE = "node-a"

@@ -7,7 +7,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,9 @@ from gpuid_agent.node.labels import LabelledNode, NodeLabeler
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, request_counter
-from tests.conftest import eventually
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 from tests.test_labels_layout import gb200, gpu, h100, inventory
+from tests.waiting import eventually
 
 P = "gpuid.github.com"
 NODE = "gpu-node-1"
@@ -104,10 +104,6 @@ async def harness(kube: FakeKube, tmp_path: Path) -> AsyncIterator[Harness]:
 
 def labels_of(kube: FakeKube) -> dict[str, str]:
     return kube.node_labels(NODE)
-
-
-async def until(check: Callable[[], Any]) -> Any:
-    return await eventually(check, within=10.0, step=0.01)
 
 
 # ---- layouts on a Node ---------------------------------------------------------------------------
@@ -196,10 +192,10 @@ async def test_gpu_removed_its_label_disappears(harness: Harness) -> None:
     labeler = harness.run(harness.labeler())
     full = h100()
     labeler.offer(full)
-    await until(lambda: labels_of(harness.kube).get(f"{P}/gpu-count") == "8")
+    await eventually(lambda: labels_of(harness.kube).get(f"{P}/gpu-count") == "8")
     gone = max(g.serial or "" for g in full.gpus)
     labeler.offer(inventory(*(g for g in full.gpus if g.serial != gone)))
-    await until(lambda: labels_of(harness.kube).get(f"{P}/gpu-count") == "7")
+    await eventually(lambda: labels_of(harness.kube).get(f"{P}/gpu-count") == "7")
     labels = labels_of(harness.kube)
     assert f"{P}/gpu-7" not in labels
     assert gone not in labels.values()
@@ -210,9 +206,9 @@ async def test_gpu_count_zero_removes_all_our_labels_only(harness: Harness) -> N
     harness.kube.add_node(NODE, labels=FOREIGN, annotations={"keep.io/me": "yes"})
     labeler = harness.run(harness.labeler())
     labeler.offer(gb200())
-    await until(lambda: f"{P}/chassis" in labels_of(harness.kube))
+    await eventually(lambda: f"{P}/chassis" in labels_of(harness.kube))
     labeler.offer(inventory())
-    await until(lambda: ours(labels_of(harness.kube)) == {})
+    await eventually(lambda: ours(labels_of(harness.kube)) == {})
     node = harness.kube.node(NODE)
     assert node["metadata"]["labels"] == FOREIGN
     assert node["metadata"]["annotations"] == {"keep.io/me": "yes"}
@@ -222,7 +218,7 @@ async def test_drift_is_repaired_on_resync(harness: Harness) -> None:
     harness.kube.add_node(NODE, labels=FOREIGN)
     labeler = harness.run(harness.labeler(resync_interval=0.2))
     labeler.offer(gb200())
-    await until(lambda: f"{P}/chassis" in labels_of(harness.kube))
+    await eventually(lambda: f"{P}/chassis" in labels_of(harness.kube))
     want = labels_of(harness.kube)
     # someone deletes one of our labels and edits another
     harness.kube.patch(
@@ -231,7 +227,7 @@ async def test_drift_is_repaired_on_resync(harness: Harness) -> None:
         {"metadata": {"labels": {f"{P}/chassis": None, f"{P}/gpu-0": "tampered"}}},
     )
     assert labels_of(harness.kube) != want
-    await until(lambda: labels_of(harness.kube) == want)
+    await eventually(lambda: labels_of(harness.kube) == want)
     assert harness.kube.count("patch") == 2
 
 
@@ -239,12 +235,12 @@ async def test_steady_state_reads_at_resync_cadence_without_patches(harness: Har
     harness.kube.add_node(NODE)
     labeler = harness.run(harness.labeler(resync_interval=0.1))
     labeler.offer(gb200())
-    await until(lambda: harness.kube.count("patch") == 1)
+    await eventually(lambda: harness.kube.count("patch") == 1)
     reads = harness.kube.count("get")
     # the same hardware read again and again (new read_time each time) wakes nothing
     for _ in range(20):
         labeler.offer(gb200())
-    await until(lambda: harness.kube.count("get") >= reads + 3)
+    await eventually(lambda: harness.kube.count("get") >= reads + 3)
     assert harness.kube.count("patch") == 1
 
 
@@ -313,7 +309,7 @@ async def test_429_honours_retry_after(harness: Harness) -> None:
     harness.kube.inject(429, verb="get", path=NODE_PATH, retry_after=1)
     labeler = harness.run(harness.labeler())
     labeler.offer(gb200())
-    await until(lambda: harness.kube.count("patch", status=200) == 1)
+    await eventually(lambda: harness.kube.count("patch", status=200) == 1)
     gets = [r for r in harness.kube.requests if r.verb == "get"]
     assert gets[0].status == 429
     assert gets[1].at - gets[0].at >= 1.0
@@ -336,8 +332,8 @@ async def test_transient_errors_back_off_then_converge(
     harness.kube.inject(verb="patch", times=3, **fault)
     labeler = harness.run(harness.labeler(request_timeout=0.2))
     labeler.offer(gb200())
-    await until(lambda: f"{P}/chassis" in labels_of(harness.kube))
-    await until(lambda: harness.state() == ("ok", None))  # the client has the answer too
+    await eventually(lambda: f"{P}/chassis" in labels_of(harness.kube))
+    await eventually(lambda: harness.state() == ("ok", None))  # the client has the answer too
     assert harness.value("gpuid_label_reconcile_errors_total", {"reason": reason}) >= 3
     assert harness.kube.count("patch", status=200) == 1
 
@@ -350,7 +346,7 @@ async def test_api_down_at_start_then_up_converges(tmp_path: Path) -> None:
     labeler = h.run(h.labeler())
     try:
         labeler.offer(gb200())
-        await until(
+        await eventually(
             lambda: h.value("gpuid_label_reconcile_errors_total", {"reason": "connection"}) >= 2
         )
         state, reason = h.state()
@@ -359,8 +355,8 @@ async def test_api_down_at_start_then_up_converges(tmp_path: Path) -> None:
         assert reason.startswith("connection")
         await kube.start()
         kube.add_node(NODE, labels=FOREIGN)
-        await until(lambda: f"{P}/chassis" in kube.node_labels(NODE))
-        await until(lambda: h.state() == ("ok", None))
+        await eventually(lambda: f"{P}/chassis" in kube.node_labels(NODE))
+        await eventually(lambda: h.state() == ("ok", None))
         assert {k: kube.node_labels(NODE)[k] for k in FOREIGN} == FOREIGN
     finally:
         for task in h.tasks:
@@ -381,10 +377,10 @@ async def test_permanent_errors_do_not_loop(
     labeler = harness.run(harness.labeler(resync_interval=0.25))
     with caplog.at_level(logging.INFO, logger="gpuid_agent"):
         labeler.offer(gb200())
-        await until(lambda: harness.kube.count("patch") >= 3)
+        await eventually(lambda: harness.kube.count("patch") >= 3)
         # a GPU change does not bring the retry forward: it waits for the resync
         labeler.offer(h100())
-        await until(lambda: harness.kube.count("patch") >= 4)
+        await eventually(lambda: harness.kube.count("patch") >= 4)
     patches = [r.at for r in harness.kube.requests if r.verb == "patch"]
     gaps = [b - a for a, b in itertools.pairwise(patches)]
     assert min(gaps) >= 0.25  # one try per resync period, never a hot loop
@@ -397,7 +393,7 @@ async def test_permanent_errors_do_not_loop(
     degraded = [r for r in caplog.records if r.getMessage() == "labels is degraded"]
     assert len(degraded) == 1
     harness.kube.clear_faults()
-    await until(lambda: harness.state() == ("ok", None))
+    await eventually(lambda: harness.state() == ("ok", None))
     assert ours(labels_of(harness.kube))[f"{P}/gpu-count"] == "8"
 
 
@@ -432,6 +428,6 @@ async def test_provider_id_is_reported_on_every_read(harness: Harness) -> None:
 async def test_nothing_happens_before_the_first_inventory(harness: Harness) -> None:
     harness.kube.add_node(NODE)
     harness.run(harness.labeler())
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a hold: nothing may reach the API server without an inventory
     assert harness.kube.requests == []
     assert harness.state() == ("starting", "waiting for the first inventory")

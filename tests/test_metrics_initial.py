@@ -5,7 +5,6 @@ can give them: `increase()` cannot see the first event of a series that appears 
 from __future__ import annotations
 
 import ast
-import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.node.labels.policy import REASONS
 from gpuid_agent.runtime.metrics import COLLECTION_ERROR_REASONS, DROP_REASONS
 from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpuid_agent"
 
@@ -128,11 +128,12 @@ async def test_alert_counters_are_at_zero_on_a_fresh_agent() -> None:
             assert (name, (("exporter", "stdout"),)) in samples, name
         for reason in COLLECTION_ERROR_REASONS:
             assert ("gpuid_collection_errors_total", (("reason", reason),)) in samples, reason
-        for _ in range(500):  # after the first collection, the GPUs are counted
-            samples = await scrape()
-            if samples.get(("gpuid_gpus", ())) == 8:
-                break
-            await asyncio.sleep(0.02)
+
+        async def gpus_counted() -> bool:  # after the first collection
+            return (await scrape()).get(("gpuid_gpus", ())) == 8
+
+        await eventually(gpus_counted)
+        samples = await scrape()
         assert samples[("gpuid_gpus", ())] == 8
         assert samples[("gpuid_gpu_count", ())] == 8, "the deprecated alias still served"
         assert samples[("gpuid_collection_errors_total", (("reason", "gpu_lost"),))] == 0

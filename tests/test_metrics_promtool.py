@@ -22,8 +22,9 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.metrics import DEPRECATED_ALIASES
 from gpuid_agent.serving.metrics_fields import FIELDS
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.servers import prometheus
+from tests.waiting import eventually
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 

@@ -16,8 +16,9 @@ from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 
 async def _read(fake: FakeNvml, config: fakenvml.FakeNvmlConfig, lib: str | None = None):  # type: ignore[no-untyped-def]

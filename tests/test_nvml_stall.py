@@ -17,8 +17,8 @@ from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import MAX_HUNG_THREADS, NvmlSource
 from tests import fakenvml
-from tests.conftest import eventually
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 BOUND = 0.3  # the call bound of these sources; short, as nothing waits for it to pass but hangs
 

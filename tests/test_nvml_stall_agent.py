@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 
 from tests import fakenvml
-from tests.conftest import eventually
 from tests.fakenvml.fixtures import FakeNvml
+from tests.waiting import eventually
 
 GRACE = 2.0
 STALL = 1.0
@@ -76,7 +76,7 @@ class Agent:
             code, status = await self.get("/status")
             return bool(code == 200 and status["components"].get("nvml", {}).get("state") == "ok")
 
-        await eventually_async(nvml_ok, within=30)
+        await eventually(nvml_ok, within=30)
 
     async def get(self, path: str) -> tuple[int, Any]:
         return await get(self.http, self.base + path)
@@ -117,7 +117,7 @@ async def test_hung_nvml_call_fails_liveness_and_does_not_hold_shutdown(
             code, body = await agent.get("/healthz")
             return body if code == 503 else None
 
-        body = await eventually_async(unhealthy, within=30)
+        body = await eventually(unhealthy, within=30)
         to_503 = time.monotonic() - hung_at
         assert any("power_usage_mw" in p for p in body["problems"]), body
         _, status = await agent.get("/status")
@@ -128,7 +128,7 @@ async def test_hung_nvml_call_fails_liveness_and_does_not_hold_shutdown(
             nvml = (await agent.get("/status"))[1]["components"]["nvml"]
             return nvml if nvml["state"] == "stalled" else None
 
-        assert "power_usage_mw" in (await eventually_async(nvml_stalled, within=30))["reason"]
+        assert "power_usage_mw" in (await eventually(nvml_stalled, within=30))["reason"]
         assert agent.proc.poll() is None
 
         to_exit = await agent.terminate()
@@ -153,15 +153,3 @@ async def test_hung_nvml_shutdown_does_not_hold_exit(
         assert "NVML shutdown left unfinished" in agent.log.read_text(errors="replace")
     finally:
         await agent.close()
-
-
-async def eventually_async(check: Any, within: float) -> Any:
-    """`eventually` for a coroutine check."""
-    deadline = time.monotonic() + within
-    value = None
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"condition not met within {within}s (last value {value!r})")

@@ -9,8 +9,9 @@ from pathlib import Path
 import aiohttp
 
 from gpuid_agent.agent import Agent
-from tests.conftest import eventually, free_port, settings
+from tests.conftest import free_port, settings
 from tests.servers.otlp import OtlpReceiver
+from tests.waiting import eventually
 
 
 def _sample_sum(agent: Agent, name: str) -> float:

@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import eventually, free_port, running_agent, settings
+from tests.conftest import free_port, running_agent, settings
 from tests.servers.otlp import Answer, OtlpReceiver, Point
+from tests.waiting import eventually
 
 Series = tuple[str, frozenset[tuple[str, str]]]
 

@@ -19,6 +19,7 @@ from gpuid_agent.delivery.pipeline import (
 )
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
+from tests.waiting import eventually
 
 
 def _records(n: int) -> list[Record]:
@@ -51,13 +52,15 @@ async def test_batches_by_size_then_by_flush_interval() -> None:
     task = asyncio.create_task(worker.run())
     pipeline = Pipeline([worker], metrics)
     await pipeline.publish(_records(10))
-    await asyncio.sleep(0.1)  # two full batches went at once, two records wait for the flush
-    assert len(_lines(stream)) == 8
-    await asyncio.sleep(0.3)
-    assert [r["record_id"] for r in _lines(stream)] == [f"r{i}" for i in range(10)]
-    assert (
-        metrics.registry.get_sample_value("gpuid_export_success_total", {"exporter": "stdout"}) == 3
+    # two full batches go at once; the two records left wait for the flush interval
+    await eventually(lambda: len(_lines(stream)) == 8)
+    await eventually(
+        lambda: (
+            metrics.registry.get_sample_value("gpuid_export_success_total", {"exporter": "stdout"})
+            == 3
+        )
     )
+    assert [r["record_id"] for r in _lines(stream)] == [f"r{i}" for i in range(10)]
     worker.close_intake()
     await asyncio.wait_for(task, 2)
 
@@ -70,7 +73,7 @@ async def test_close_flushes_a_partial_batch_without_waiting() -> None:
     task = asyncio.create_task(worker.run())
     for r in _records(7):
         await worker.put(r)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a hold: nothing may be written before the close
     assert _lines(stream) == []
     worker.close_intake()
     await asyncio.wait_for(task, 2)
@@ -86,7 +89,9 @@ async def test_slow_sink_applies_backpressure_and_memory_stays_bounded() -> None
     task = asyncio.create_task(worker.run())
     pipeline = Pipeline([worker], AgentMetrics())
     producer = asyncio.create_task(pipeline.publish(_records(2000)))
-    await asyncio.sleep(0.5)  # nobody reads the pipe: its buffer fills and writes block
+    # A hold: nobody reads the pipe, its buffer fills and writes block; the producer must
+    # still be waiting after it.
+    await asyncio.sleep(0.5)
     assert not producer.done()
     assert worker.pending <= policy.queue_size
     received = b""
@@ -130,14 +135,17 @@ async def test_rejected_batch_is_set_aside_not_looped() -> None:
     task = asyncio.create_task(worker.run())
     for r in _records(5):
         await worker.put(r)
-    await asyncio.sleep(0.3)
-    assert sink.calls == 1
-    dropped = metrics.registry.get_sample_value(
-        "gpuid_dropped_records_total", {"exporter": "rejecting", "reason": "rejected"}
+    await eventually(
+        lambda: (
+            metrics.registry.get_sample_value(
+                "gpuid_dropped_records_total", {"exporter": "rejecting", "reason": "rejected"}
+            )
+            == 5
+        )
     )
-    assert dropped == 5
     worker.close_intake()
     await asyncio.wait_for(task, 2)
+    assert sink.calls == 1  # the worker ended without sending the set-aside batch again
 
 
 @pytest.mark.parametrize("attempt", range(12))

@@ -25,8 +25,8 @@ from gpuid_agent.sources.kube.client import (
     watch_lines,
 )
 from gpuid_agent.sources.kube.pods import PodCache
-from tests.conftest import eventually
 from tests.fakekube import FakeKube, objects, write_kubeconfig
+from tests.waiting import eventually
 
 NODE = "node-a"
 _serial = itertools.count(1)  # pod names unique across hypothesis examples on one server

@@ -19,8 +19,8 @@ from gpuid_agent.sources.kubelet import (
     ResourceMatcher,
 )
 from gpuid_agent.sources.kubelet.v1 import api_pb2
-from tests.conftest import eventually
 from tests.fakekubelet import FakeKubelet, KubeletContainer, KubeletPod, pod
+from tests.waiting import eventually
 
 GPU_A = "GPU-0a0a0a0a-1111-4222-8333-444444444444"
 GPU_B = "GPU-0b0b0b0b-1111-4222-8333-444444444444"

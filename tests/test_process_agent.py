@@ -19,12 +19,13 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import FakeKubelet, pod
 from tests.fakenvml import FakeProcess, FakeProcessUtil
 from tests.fakenvml.fixtures import FakeNvml
 from tests.fakeproc import FakeProc, cgroupfs_path, systemd_path, v1, v2
+from tests.waiting import eventually
 
 GIB = 1024**3
 NODE = "node-a"

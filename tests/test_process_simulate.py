@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 def by_name(text: str) -> dict[str, list[Any]]:

@@ -25,6 +25,7 @@ from tests.chart_render import CHART, PROMETHEUS_OPERATOR, ROOT, newest_supporte
 from tests.operator_scrape import AgentPod, scrape_configs
 from tests.servers import prometheus
 from tests.servers.postgres import free_port
+from tests.waiting import eventually_blocking
 
 AGENT_POD = AgentPod(address="")  # the name, namespace and node discovery would report
 
@@ -65,16 +66,11 @@ class Scraped:
 
 
 def _wait_http(url: str, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.1)
+    def answers() -> bool:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+
+    eventually_blocking(answers, within=within, ignoring=(OSError,), what=f"{url} answering 200")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +122,8 @@ def scraped(request: pytest.FixtureRequest, prometheus_ready: None) -> Iterator[
             _until(scraped, "up", 1)
             gpu_family = "DCGM_FI_DEV_GPU_UTIL" if setup.naming == "dcgm" else "gpuid_gpu_info"
             _until(scraped, gpu_family, 8)
-            time.sleep(8)  # several scrapes of each endpoint
+            # The tests read 5 s and 10 s windows: several scrapes of each endpoint in them.
+            _until(scraped, "count_over_time(up[5s]) >= 4", 2)
             yield scraped
     finally:
         agent.terminate()
@@ -134,10 +131,12 @@ def scraped(request: pytest.FixtureRequest, prometheus_ready: None) -> Iterator[
 
 
 def _until(scraped: Scraped, expr: str, count: int, within: float = 40.0) -> None:
-    deadline = time.monotonic() + within
-    while len(found := scraped.query(expr)) < count:
-        assert time.monotonic() < deadline, f"{expr}: {found}\n{scraped.server.log()[-3000:]}"
-        time.sleep(0.3)
+    def found() -> bool:
+        series = scraped.query(expr)
+        assert len(series) >= count, f"{expr}: {series}\n{scraped.server.log()[-3000:]}"
+        return True
+
+    eventually_blocking(found, within=within, step=0.3, ignoring=(AssertionError,))
 
 
 def test_each_endpoint_has_its_own_up(scraped: Scraped) -> None:

@@ -17,8 +17,8 @@ from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.verdicts import CheckStatus, NodeHealth, Transition
 from gpuid_agent.state.snapshot import NodeSnapshot
-from tests.conftest import eventually
 from tests.exporter_support import BASE_TIME, inventory
+from tests.waiting import eventually
 
 Records = list[dict[str, Any]]
 

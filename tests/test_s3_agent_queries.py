@@ -10,9 +10,10 @@ from typing import Any
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.simulate.profiles import PROFILES
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import ask, connect, download
+from tests.waiting import eventually
 
 NODE = "sim-1"
 CLUSTER = "sim east"  # a space: escaped in the key, whole in the queries
@@ -46,11 +47,12 @@ async def test_agent_output_answers_the_documented_questions(
     )
     async with running_agent(agent):
         await eventually(lambda: agent.trail.status()["open"] == 5, within=30)
-        for _ in range(300):
+
+        async def both_kinds_written() -> bool:
             found = await asyncio.to_thread(kinds_written, moto_server, s3_bucket)
-            if {"reading", "allocation"} <= found:
-                break
-            await asyncio.sleep(0.1)
+            return {"reading", "allocation"} <= found
+
+        await eventually(both_kinds_written, within=30, step=0.1)
     root = tmp_path / "bucket"
     keys = await asyncio.to_thread(download, moto_server, s3_bucket, root)
     assert any("/cluster=sim%20east/node=sim-1/" in k for k in keys)

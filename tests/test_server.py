@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import asyncio
 import io
+from typing import Any
 
 import aiohttp
 import orjson
@@ -12,7 +12,8 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
-from tests.conftest import eventually, running_agent, settings
+from tests.conftest import running_agent, settings
+from tests.waiting import eventually
 
 
 def _url(agent: Agent, path: str) -> str:
@@ -132,10 +133,13 @@ async def test_a_dead_task_fails_liveness() -> None:
         aiohttp.ClientSession() as http,
     ):
         agent.supervisor.spawn("extra", boom())
-        await asyncio.sleep(0.05)
-        async with http.get(_url(agent, "/healthz")) as resp:
-            assert resp.status == 503
-            assert "task extra RuntimeError: kaput" in (await resp.json())["problems"]
+
+        async def unhealthy() -> Any:
+            async with http.get(_url(agent, "/healthz")) as resp:
+                return await resp.json() if resp.status == 503 else None
+
+        body = await eventually(unhealthy)
+        assert "task extra RuntimeError: kaput" in body["problems"]
 
 
 async def test_lost_gpu_keeps_its_identity_and_degrades() -> None:

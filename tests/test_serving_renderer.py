@@ -24,7 +24,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
-from tests.conftest import eventually
+from tests.waiting import eventually
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 
@@ -80,10 +80,6 @@ class Recorder:
         return self.started[seq], self.hold[seq]
 
 
-async def until_set(event: threading.Event) -> None:
-    assert await asyncio.to_thread(event.wait, 10), "render did not start"
-
-
 @asynccontextmanager
 async def running(
     naming: gpu_metrics.Naming = "prometheus",
@@ -117,7 +113,7 @@ async def test_a_burst_coalesces_and_the_last_snapshot_is_installed() -> None:
     async with running() as (renderer, bus, recorder):
         started, release = recorder.gate(1)
         bus.publish(snapshot(1))
-        await until_set(started)
+        await eventually(started.is_set)
         for seq in range(2, 51):  # all arrive while the first render runs
             bus.publish(snapshot(seq))
         release.set()
@@ -134,7 +130,7 @@ async def test_an_older_render_never_replaces_a_newer_one() -> None:
     renderer.observer = recorder
     started, release = recorder.gate(2)
     slow = asyncio.create_task(renderer.render(snapshot(2)))
-    await until_set(started)
+    await eventually(started.is_set)
     assert await renderer.render(snapshot(3)) is True
     release.set()
     assert await asyncio.wait_for(slow, 10) is False  # finished last, but is older
@@ -166,7 +162,7 @@ async def test_openmetrics_only_when_negotiated_and_once_per_snapshot() -> None:
             scrapes = [
                 asyncio.create_task(client.get("/gpu/metrics", headers=om)) for _ in range(5)
             ]
-            await until_set(started)
+            await eventually(started.is_set)
             release.set()
             bodies = [await (await s).text() for s in scrapes]
             assert len(set(bodies)) == 1 and bodies[0].endswith("# EOF\n")
@@ -193,7 +189,7 @@ async def test_a_scraper_hanging_up_does_not_cancel_the_shared_render() -> None:
         await asyncio.wait_for(renderer.wait_rendered(1), 10)
         started, release = recorder.gate(1)
         first = asyncio.create_task(renderer.openmetrics())
-        await until_set(started)
+        await eventually(started.is_set)
         second = asyncio.create_task(renderer.openmetrics())
         await asyncio.sleep(0)
         first.cancel()

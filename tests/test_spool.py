@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from gpuid_agent.delivery.spool import DiskSpool, MemoryBatches
 from gpuid_agent.runtime.errors import CorruptBatchError
 from tests.exporter_support import readings
+from tests.waiting import eventually
 
 
 async def test_batches_survive_a_restart_in_order(tmp_path: Path) -> None:
@@ -173,13 +173,12 @@ async def test_next_batch_is_read_ahead_while_one_is_sent(tmp_path: Path) -> Non
     second = spool.oldest()
     assert second is not None
     assert second.path is not None
-    for _ in range(200):  # the read-ahead runs in a thread; let it finish
-        if (
+    await eventually(  # the read-ahead runs in a thread; let it finish
+        lambda: (
             second.meta.batch_id in spool._prefetched
             and spool._prefetched[second.meta.batch_id].done()
-        ):
-            break
-        await asyncio.sleep(0.01)
+        )
+    )
     second.path.rename(tmp_path / "moved-away")  # only the read-ahead copy can answer now
     assert [r["node"] for r in await spool.load(second)] == ["n1"] * 8
 

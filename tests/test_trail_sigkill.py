@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,11 +37,11 @@ from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
-from tests.conftest import eventually
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
 from tests.test_records_bus import snapshot
+from tests.waiting import eventually
 
 NODE = "sim-trailkill"
 RESOURCE = "nvidia.com/gpu"
@@ -135,20 +134,6 @@ def state_file_keys(state_dir: Path) -> set[Key]:
     return {tuple(r[f] for f in fields) for r in state["open"]}  # type: ignore[misc]
 
 
-async def until(check: Callable[[], bool | Awaitable[bool]], timeout: float) -> bool:
-    """Wait for `check` up to `timeout` seconds; say whether it came true."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return True
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-
-
 def record_key(r: dict[str, Any]) -> Key:
     return (r["namespace"], r["pod"], r["container"], r["resource_name"], r["device_id"])
 
@@ -204,7 +189,7 @@ async def test_allocation_trail_survives_repeated_sigkill(
         truth.runs.append((truth.calls, None))
         proc = agent(env, log)
         before = truth.calls
-        assert await until(lambda: truth.calls > before, 30), "the agent never polled the kubelet"
+        await eventually(lambda: truth.calls > before, within=30, what="a poll of the kubelet")
 
     async def kill() -> None:
         nonlocal proc, kills
@@ -234,7 +219,7 @@ async def test_allocation_trail_survives_repeated_sigkill(
             await asyncio.sleep(n * POLL)
             return
         target = truth.calls + n
-        assert await until(lambda: truth.calls >= target, 30), "the agent stopped polling"
+        await eventually(lambda: truth.calls >= target, within=30, what=f"{n} more polls")
 
     try:
         await start()

@@ -27,9 +27,10 @@ from gpuid_agent.state.health.xid import (
     parse_catalog,
 )
 from tests import fakenvml
-from tests.conftest import eventually, node_health, settings
+from tests.conftest import node_health, settings
 from tests.fakenvml.fixtures import FakeNvml
 from tests.test_health_nvml import agent_on
+from tests.waiting import eventually
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RAW = resources.files("gpuid_agent.state.health").joinpath(CATALOG_FILE).read_text("utf-8")

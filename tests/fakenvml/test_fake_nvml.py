@@ -553,7 +553,7 @@ def test_blocked_wait_does_not_block_readers_and_sees_new_xid(fake_nvml: FakeNvm
             thread = threading.Thread(target=waiter)
             started = time.monotonic()
             thread.start()
-            time.sleep(0.1)
+            time.sleep(0.1)  # a hold: with no event pending, the wait must not return
             assert thread.is_alive()
             for _ in range(50):
                 for i in range(8):
@@ -669,7 +669,7 @@ def test_concurrent_readers_and_rewrites(fake_nvml: FakeNvml) -> None:
             for watts in range(1, 41):
                 config.gpus[0].power_mw = watts
                 fake_nvml.apply(config)
-            time.sleep(0.05)
+            time.sleep(0.05)  # the readers go on reading the last state for a moment
         finally:
             stop.set()
             for thread in threads:

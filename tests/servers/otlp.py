@@ -11,7 +11,6 @@ resource and scope, so tests read them as plain dicts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 import signal
@@ -206,7 +205,6 @@ class OtlpReceiver:
         self.metrics_plan: deque[Answer] = deque()
         self.plan: deque[Answer] = deque()
         self.decide: Callable[[Request], Answer | None] | None = None
-        self.changed = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.port = 0
@@ -237,7 +235,6 @@ class OtlpReceiver:
             logs = flatten(message)
         except (OSError, EOFError, zlib.error, DecodeError, ValueError, UnicodeDecodeError) as exc:
             self.malformed += 1
-            self.changed.set()
             return web.Response(
                 status=400, body=status_body(3, f"malformed request: {exc}"), content_type=PROTOBUF
             )
@@ -257,7 +254,6 @@ class OtlpReceiver:
                 self.lags.append((at, (now - at) / 1e9))
         if not self._keep:
             entry.logs = []
-        self.changed.set()
         if answer.status >= 300:
             body = status_body(14 if answer.status == 503 else 3, answer.message or "no")
             return web.Response(
@@ -277,7 +273,6 @@ class OtlpReceiver:
     def _metrics_answer(self, points: list[Point]) -> web.Response:
         answer = self.metrics_plan.popleft() if self.metrics_plan else Answer()
         self.metric_requests.append((time.monotonic(), answer.status))
-        self.changed.set()
         if answer.status >= 300:
             body = status_body(14 if answer.status == 503 else 3, answer.message or "no")
             return web.Response(
@@ -333,16 +328,6 @@ class OtlpReceiver:
 
     def accepted_ids(self) -> set[str]:
         return set(self._accepted)
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("receiver condition not met in time")
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(remaining, 0.2))
 
 
 def main(port: int) -> None:

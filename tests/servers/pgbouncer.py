@@ -11,10 +11,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from tests.servers.postgres import DATABASE, PASSWORD, USER, PostgresCluster, free_port
+from tests.waiting import eventually_blocking
 
 BINARY = "pgbouncer"
 
@@ -79,16 +79,15 @@ pidfile = {self.root}/pgbouncer.pid
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+        process = self._process
+
+        def listening() -> bool:
+            if process.poll() is not None:
                 raise RuntimeError(f"pgbouncer exited: {errors.read_text().strip()[-500:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("pgbouncer did not listen in time")
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+
+        eventually_blocking(listening, within=20, ignoring=(OSError,))
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:

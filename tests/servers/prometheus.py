@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 
 from tests.servers.postgres import free_port
+from tests.waiting import eventually_blocking
 
 PROMTOOL = os.environ.get("GPUID_TEST_PROMTOOL", "/usr/bin/promtool")
 PROMETHEUS = os.environ.get("GPUID_TEST_PROMETHEUS", "/usr/bin/prometheus")
@@ -123,18 +123,18 @@ class PrometheusServer:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+        proc = self._proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited: {self.log()[-2000:]}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp,
-            ):
-                if resp.status == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus not ready in 30s: {self.log()[-2000:]}")
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as resp:
+                return resp.status == 200
+
+        try:
+            eventually_blocking(ready, within=30, ignoring=(OSError,))
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.log()[-2000:]}") from exc
 
     def log(self) -> str:
         path = self.root / "prometheus.log"

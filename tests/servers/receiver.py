@@ -7,7 +7,6 @@ benchmark's), answering GET /count with the records it accepted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 import ssl
@@ -50,7 +49,6 @@ class Receiver:
         self.plan: deque[Reply] = deque()
         self.default = Reply()
         self.decide: Callable[[Received], Reply | None] | None = None
-        self.changed = asyncio.Event()
         self.release = asyncio.Event()
         self._ssl = ssl_context
         self._runner: web.AppRunner | None = None
@@ -71,13 +69,11 @@ class Receiver:
         reply = (self.decide(entry) if self.decide else None) or (
             self.plan.popleft() if self.plan else self.default
         )
-        self.changed.set()
         if reply.delay:
             await asyncio.sleep(reply.delay)
         if reply.hold:
             await self.release.wait()
         entry.status = reply.status
-        self.changed.set()
         return web.Response(status=reply.status, text=reply.body, headers=reply.headers)
 
     async def start(self) -> str:
@@ -100,16 +96,6 @@ class Receiver:
 
     def accepted_ids(self) -> set[str]:
         return {i for r in self.requests if 200 <= r.status < 300 for i in r.record_ids}
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("receiver condition not met in time")
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(remaining, 0.2))
 
 
 def main(port: int) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 from tests.servers.postgres import free_port
+from tests.waiting import eventually_blocking
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -32,17 +32,19 @@ class MotoServer:
             stderr=subprocess.DEVNULL,
             env=env,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self._proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("moto server did not start")
+        proc = self._proc
+
+        def answering() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}")
+            with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
+                return True
+
+        try:
+            eventually_blocking(answering, within=timeout, ignoring=(OSError,))
+        except AssertionError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
