@@ -32,7 +32,7 @@ import orjson
 
 from gpuid_agent.model import NodeInventory
 from gpuid_agent.records.consume import follow
-from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
+from gpuid_agent.records.serialize import allocation_from_wire, rfc3339, to_wire
 from gpuid_agent.records.state_file import write_atomically
 from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord
 from gpuid_agent.runtime import log
@@ -97,7 +97,7 @@ class AllocationTrail:
         self,
         identity: TrailIdentity,
         *,
-        publish_durable: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[AllocationRecord]], Awaitable[None]],
         state_dir: str = "",
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -105,9 +105,11 @@ class AllocationTrail:
         self._publish_durable = publish_durable
         self._clock = clock
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
-        self.open: dict[Key, Record] = {}
+        self.open: dict[Key, AllocationRecord] = {}
         self._restored = False
-        self.pending: list[Record] = []  # owed by the saved open set, not yet in every spool
+        self.pending: list[
+            AllocationRecord
+        ] = []  # owed by the saved open set, not yet in every spool
         self._restored_saved_at = ""
         self._first = True
         self._latest: tuple[Attribution, NodeInventory] | None = None
@@ -132,9 +134,11 @@ class AllocationTrail:
             state = orjson.loads(raw)
             if state.get("version") != STATE_VERSION or state.get("node") != self.identity.node:
                 raise ValueError("state file is for another version or node")
-            records = [r for r in state["open"] if isinstance(r, dict)]
+            records = [allocation_from_wire(r) for r in state["open"] if isinstance(r, dict)]
             opened = {self._record_key(r): r for r in records}
-            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+            pending = [
+                allocation_from_wire(r) for r in state.get("pending", []) if isinstance(r, dict)
+            ]
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             # A damaged file must not stop the agent: start over, as without STATE_DIR.
             _log.warning(
@@ -148,14 +152,9 @@ class AllocationTrail:
         _log.info("restored open allocations", extra={"count": len(opened)})
 
     @staticmethod
-    def _record_key(record: Record) -> Key:
-        fields = ("namespace", "pod", "container", "resource_name", "device_id")
-        values = tuple(record[f] for f in fields)
-        if not all(isinstance(v, str) for v in values) or not isinstance(
-            record.get("allocation_id"), str
-        ):
-            raise ValueError("malformed open allocation")
-        return values
+    def _record_key(record: AllocationRecord) -> Key:
+        r = record
+        return (r.namespace, r.pod, r.container, r.resource_name, r.device_id)
 
     def _state_bytes(self) -> bytes:
         return orjson.dumps(
@@ -163,8 +162,10 @@ class AllocationTrail:
                 "version": STATE_VERSION,
                 "node": self.identity.node,
                 "saved_at": rfc3339(self._clock()),
-                "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
-                "pending": self.pending,
+                "open": [
+                    to_wire(r) for r in sorted(self.open.values(), key=lambda r: r.allocation_id)
+                ],
+                "pending": [to_wire(r) for r in self.pending],
             },
             option=orjson.OPT_SORT_KEYS,
         )
@@ -185,68 +186,65 @@ class AllocationTrail:
 
     def _start_record(
         self, a: Allocation, inventory: NodeInventory, now: datetime, observed: bool
-    ) -> Record:
+    ) -> AllocationRecord:
         gpu = inventory.gpu_by_uuid().get(a.gpu_uuid)
         mig = next((m for m in gpu.mig_devices if m.uuid == a.mig_uuid), None) if gpu else None
         h = a.holder
         alloc_id = allocation_id(self.identity.cluster, self.identity.node, a)
         started = rfc3339(now)
-        return to_wire(
-            AllocationRecord(
-                schema_version=SCHEMA_VERSION,
-                kind="allocation",
-                record_id=allocation_record_id(alloc_id, "start"),
-                event="start",
-                cluster=self.identity.cluster,
-                node=self.identity.node,
-                machine=inventory.machine,  # the providerID may arrive after start
-                machine_source=inventory.machine_source,
-                source=self.identity.source,
-                chassis=(gpu.chassis_serial if gpu else None) or "",
-                gpu=(gpu.serial if gpu else None) or "",
-                read_time=started,
-                allocation_id=alloc_id,
-                serial=gpu.serial if gpu else None,
-                uuid=a.gpu_uuid,
-                gpu_index=gpu.index if gpu else None,
-                mig_uuid=a.mig_uuid,
-                mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
-                mig_profile=mig.profile if mig else None,
-                namespace=h.namespace,
-                pod=h.pod,
-                pod_uid=h.pod_uid or None,
-                container=h.container,
-                resource_name=a.resource_name,
-                device_id=a.device_id,
-                replica=a.replica,
-                workload_kind=h.workload_kind or None,
-                workload_name=h.workload_name or None,
-                started_at=started,
-                start_observed=observed,
-                ended_at=None,
-                end_observed=None,
-                claim_namespace=a.claim.namespace if a.claim else None,
-                claim_name=a.claim.name if a.claim else None,
-                claim_source=a.claim.source if a.claim else None,
-            )
+        return AllocationRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="allocation",
+            record_id=allocation_record_id(alloc_id, "start"),
+            event="start",
+            cluster=self.identity.cluster,
+            node=self.identity.node,
+            machine=inventory.machine,  # the providerID may arrive after start
+            machine_source=inventory.machine_source,
+            source=self.identity.source,
+            chassis=(gpu.chassis_serial if gpu else None) or "",
+            gpu=(gpu.serial if gpu else None) or "",
+            read_time=started,
+            allocation_id=alloc_id,
+            serial=gpu.serial if gpu else None,
+            uuid=a.gpu_uuid,
+            gpu_index=gpu.index if gpu else None,
+            mig_uuid=a.mig_uuid,
+            mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
+            mig_profile=mig.profile if mig else None,
+            namespace=h.namespace,
+            pod=h.pod,
+            pod_uid=h.pod_uid or None,
+            container=h.container,
+            resource_name=a.resource_name,
+            device_id=a.device_id,
+            replica=a.replica,
+            workload_kind=h.workload_kind or None,
+            workload_name=h.workload_name or None,
+            started_at=started,
+            start_observed=observed,
+            ended_at=None,
+            end_observed=None,
+            claim_namespace=a.claim.namespace if a.claim else None,
+            claim_name=a.claim.name if a.claim else None,
+            claim_source=a.claim.source if a.claim else None,
         )
 
-    def _end_record(self, start: Record, now: datetime, observed: bool) -> Record:
+    def _end_record(
+        self, start: AllocationRecord, now: datetime, observed: bool
+    ) -> AllocationRecord:
         ended = rfc3339(now)
-        begun = allocation_from_wire(start)
-        return to_wire(
-            replace(
-                begun,
-                record_id=allocation_record_id(begun.allocation_id, "end"),
-                event="end",
-                read_time=ended,
-                ended_at=ended,
-                end_observed=observed,
-                last_seen_at=None if observed else (self._restored_saved_at or None),
-            )
+        return replace(
+            start,
+            record_id=allocation_record_id(start.allocation_id, "end"),
+            event="end",
+            read_time=ended,
+            ended_at=ended,
+            end_observed=observed,
+            last_seen_at=None if observed else (self._restored_saved_at or None),
         )
 
-    def diff(self, attribution: Attribution, inventory: NodeInventory) -> list[Record]:
+    def diff(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
         """Records owed for this snapshot; updates the open set. Only a current attribution
         counts: a stale or missing mapping ends nothing."""
         if attribution.state != "current":
@@ -257,13 +255,11 @@ class AllocationTrail:
         current: dict[Key, Allocation] = {}
         for a in attribution.allocations:
             current.setdefault(_key(a), a)
-        records: list[Record] = []
+        records: list[AllocationRecord] = []
         for key, start in list(self.open.items()):
             held = current.get(key)
             same_pod = held is not None and (
-                not held.holder.pod_uid
-                or not start.get("pod_uid")
-                or held.holder.pod_uid == start["pod_uid"]
+                not held.holder.pod_uid or not start.pod_uid or held.holder.pod_uid == start.pod_uid
             )
             if not same_pod:
                 # Seen gone on the first look after a restart: it ended while we were down.

@@ -27,9 +27,9 @@ import orjson
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.consume import follow
-from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.serialize import WireError, from_wire, rfc3339, to_wire
 from gpuid_agent.records.state_file import write_atomically
-from gpuid_agent.records.types import SCHEMA_VERSION, HardwareRecord
+from gpuid_agent.records.types import SCHEMA_VERSION, AnyRecord, HardwareRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.snapshot import NodeSnapshot
@@ -73,13 +73,19 @@ def changes(before: Slots, after: Slots) -> tuple[list[Change], Slots]:
     return out, remembered
 
 
+def _hardware(record: AnyRecord) -> HardwareRecord:
+    if not isinstance(record, HardwareRecord):
+        raise WireError(f"a {record.kind} record among the owed hardware records")
+    return record
+
+
 class HardwareWatch:
     def __init__(
         self,
         *,
         cluster: str,
         source: str,
-        publish_durable: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[HardwareRecord]], Awaitable[None]],
         state_dir: str = "",
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -88,7 +94,7 @@ class HardwareWatch:
         self._clock = clock
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.slots: Slots | None = None  # None: no baseline yet
-        self.pending: list[Record] = []
+        self.pending: list[HardwareRecord] = []
         self.sent = 0
         self._latest: NodeInventory | None = None
         self._wake = asyncio.Event()
@@ -107,7 +113,9 @@ class HardwareWatch:
             slots = state["slots"]
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
                 raise ValueError("slots must map bus ids to serials")
-            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+            pending = [
+                _hardware(from_wire(r)) for r in state.get("pending", []) if isinstance(r, dict)
+            ]
         except FileNotFoundError:
             return
         except (
@@ -128,7 +136,11 @@ class HardwareWatch:
     def _write(self) -> None:
         assert self.state_path is not None
         payload = orjson.dumps(
-            {"version": STATE_VERSION, "slots": self.slots or {}, "pending": self.pending},
+            {
+                "version": STATE_VERSION,
+                "slots": self.slots or {},
+                "pending": [to_wire(r) for r in self.pending],
+            },
             option=orjson.OPT_SORT_KEYS,
         )
         write_atomically(self.state_path, payload)
@@ -142,36 +154,34 @@ class HardwareWatch:
 
     # ---- records ---------------------------------------------------------------------------
 
-    def _record(self, inventory: NodeInventory, change: Change) -> Record:
+    def _record(self, inventory: NodeInventory, change: Change) -> HardwareRecord:
         event, bus, old, new = change
         gpu: GpuIdentity | None = next(
             (g for g in inventory.gpus if (g.pci_bus_id or "").lower() == bus and g.serial == new),
             None,
         )
         digest = "\x1f".join(("hardware", inventory.machine, bus, event, old or "", new or ""))
-        return to_wire(
-            HardwareRecord(
-                schema_version=SCHEMA_VERSION,
-                kind="hardware",
-                record_id=hashlib.sha256(digest.encode()).hexdigest()[:32],
-                event=event,  # type: ignore[arg-type]
-                cluster=self._cluster,
-                node=inventory.node,
-                machine=inventory.machine,
-                machine_source=inventory.machine_source,
-                source=self._source,
-                chassis=(gpu.chassis_serial if gpu else None) or "",
-                gpu=new or old or "",
-                read_time=rfc3339(inventory.read_time),
-                pci_bus_id=gpu.pci_bus_id or bus if gpu else bus,
-                old_serial=old,
-                new_serial=new,
-                uuid=gpu.uuid if gpu else None,
-                index=gpu.index if gpu else None,
-            )
+        return HardwareRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="hardware",
+            record_id=hashlib.sha256(digest.encode()).hexdigest()[:32],
+            event=event,  # type: ignore[arg-type]
+            cluster=self._cluster,
+            node=inventory.node,
+            machine=inventory.machine,
+            machine_source=inventory.machine_source,
+            source=self._source,
+            chassis=(gpu.chassis_serial if gpu else None) or "",
+            gpu=new or old or "",
+            read_time=rfc3339(inventory.read_time),
+            pci_bus_id=gpu.pci_bus_id or bus if gpu else bus,
+            old_serial=old,
+            new_serial=new,
+            uuid=gpu.uuid if gpu else None,
+            index=gpu.index if gpu else None,
         )
 
-    def diff(self, inventory: NodeInventory) -> list[Record]:
+    def diff(self, inventory: NodeInventory) -> list[HardwareRecord]:
         """Records for what changed since the last inventory; updates the baseline."""
         now = slots_of(inventory)
         if self.slots is not None:
@@ -186,8 +196,13 @@ class HardwareWatch:
         records = [self._record(inventory, c) for c in found]
         for r in records:
             _log.warning(
-                f"GPU {r['event']}",
-                extra={k: r[k] for k in ("pci_bus_id", "old_serial", "new_serial", "machine")},
+                f"GPU {r.event}",
+                extra={
+                    "pci_bus_id": r.pci_bus_id,
+                    "old_serial": r.old_serial,
+                    "new_serial": r.new_serial,
+                    "machine": r.machine,
+                },
             )
         return records
 

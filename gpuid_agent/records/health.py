@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.consume import follow
-from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.serialize import rfc3339
 from gpuid_agent.records.types import SCHEMA_VERSION, HealthRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.bus import Subscription
@@ -26,37 +26,35 @@ _log = log.get("health.records")
 
 def health_record(
     transition: Transition, inventory: NodeInventory, gpu: GpuIdentity | None, *, source: str
-) -> Record:
+) -> HealthRecord:
     current, previous = transition.current, transition.previous
-    return to_wire(
-        HealthRecord(
-            schema_version=SCHEMA_VERSION,
-            kind="health",
-            cluster=inventory.cluster,
-            node=inventory.node,
-            machine=inventory.machine,
-            source=source,
-            chassis=(gpu.chassis_serial if gpu else None) or "",
-            gpu=(gpu.serial if gpu else None) or "",
-            read_time=rfc3339(current.since),
-            uuid=transition.uuid,
-            index=transition.index,
-            check=transition.check,
-            state=current.state,
-            previous_state=previous.state if previous else None,
-            action=current.action,
-            reason=current.reason,
-            since=rfc3339(current.since),
-            gpu_state=transition.gpu_state,
-            machine_source=inventory.machine_source,
-            holders=tuple(holder_dict(h) for h in transition.holders),
-        )
+    return HealthRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="health",
+        cluster=inventory.cluster,
+        node=inventory.node,
+        machine=inventory.machine,
+        source=source,
+        chassis=(gpu.chassis_serial if gpu else None) or "",
+        gpu=(gpu.serial if gpu else None) or "",
+        read_time=rfc3339(current.since),
+        uuid=transition.uuid,
+        index=transition.index,
+        check=transition.check,
+        state=current.state,
+        previous_state=previous.state if previous else None,
+        action=current.action,
+        reason=current.reason,
+        since=rfc3339(current.since),
+        gpu_state=transition.gpu_state,
+        machine_source=inventory.machine_source,
+        holders=tuple(holder_dict(h) for h in transition.holders),
     )
 
 
 def health_records(
     transitions: Iterable[Transition], inventory: NodeInventory, *, source: str
-) -> list[Record]:
+) -> list[HealthRecord]:
     gpus = inventory.gpu_by_uuid()
     return [
         health_record(t, inventory, gpus.get(t.uuid) if t.uuid else None, source=source)
@@ -69,14 +67,14 @@ class HealthPublisher:
 
     def __init__(
         self,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish: Callable[[list[HealthRecord]], Awaitable[None]],
         *,
         limit: int = 10_000,
         source: str = "",
     ) -> None:
         self._publish = publish
         self._source = source
-        self._queue: deque[Record] = deque()
+        self._queue: deque[HealthRecord] = deque()
         self._limit = limit
         self._wake = asyncio.Event()
         self._stopping = False
@@ -86,7 +84,7 @@ class HealthPublisher:
     def pending(self) -> int:
         return len(self._queue)
 
-    def offer(self, records: Iterable[Record]) -> None:
+    def offer(self, records: Iterable[HealthRecord]) -> None:
         for record in records:
             if len(self._queue) >= self._limit:
                 self._queue.popleft()

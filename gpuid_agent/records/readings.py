@@ -13,14 +13,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.consume import follow
-from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
+from gpuid_agent.records.serialize import rfc3339
 from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.inventory import diff
 from gpuid_agent.state.snapshot import NodeSnapshot
 
-__all__ = ["SCHEMA_VERSION", "ReadingEmitter", "Record", "reading_record", "record_id", "rfc3339"]
+__all__ = ["SCHEMA_VERSION", "ReadingEmitter", "reading_record", "rfc3339"]
 _log = log.get("records")
 
 
@@ -32,31 +32,29 @@ def reading_record(
     reason: str,
     change: str,
     read_time: str = "",
-) -> Record:
+) -> ReadingRecord:
     """`read_time` is the inventory's, formatted once by the caller for a whole node."""
-    return to_wire(
-        ReadingRecord(
-            schema_version=SCHEMA_VERSION,
-            kind="reading",
-            cluster=inventory.cluster,
-            node=inventory.node,
-            machine=inventory.machine,
-            source=source,
-            chassis=gpu.chassis_serial or "",
-            gpu=gpu.serial or "",
-            read_time=read_time or rfc3339(inventory.read_time),
-            uuid=gpu.uuid,
-            index=gpu.index,
-            model=gpu.name,
-            pci_bus_id=gpu.pci_bus_id,
-            module_id=gpu.module_id,
-            board_part_number=gpu.board_part_number,
-            driver_version=inventory.driver_version,
-            machine_source=inventory.machine_source,
-            mig_devices=tuple(m.uuid for m in gpu.mig_devices),
-            reason=reason,
-            change=change,
-        )
+    return ReadingRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="reading",
+        cluster=inventory.cluster,
+        node=inventory.node,
+        machine=inventory.machine,
+        source=source,
+        chassis=gpu.chassis_serial or "",
+        gpu=gpu.serial or "",
+        read_time=read_time or rfc3339(inventory.read_time),
+        uuid=gpu.uuid,
+        index=gpu.index,
+        model=gpu.name,
+        pci_bus_id=gpu.pci_bus_id,
+        module_id=gpu.module_id,
+        board_part_number=gpu.board_part_number,
+        driver_version=inventory.driver_version,
+        machine_source=inventory.machine_source,
+        mig_devices=tuple(m.uuid for m in gpu.mig_devices),
+        reason=reason,
+        change=change,
     )
 
 
@@ -67,7 +65,7 @@ def reading_records(
     reason: str,
     changed: Mapping[str, str] | None = None,
     removed: Iterable[GpuIdentity] = (),
-) -> list[Record]:
+) -> list[ReadingRecord]:
     """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""
     changed = changed or {}
     at = rfc3339(inventory.read_time)
@@ -102,7 +100,7 @@ class ReadingEmitter:
         *,
         source: str,
         heartbeat_interval: float,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish: Callable[[list[ReadingRecord]], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
@@ -119,7 +117,7 @@ class ReadingEmitter:
         self._latest = inventory
         self._wake.set()
 
-    def due(self, inventory: NodeInventory) -> list[Record]:
+    def due(self, inventory: NodeInventory) -> list[ReadingRecord]:
         """Records owed for this snapshot now (empty when nothing changed and no heartbeat)."""
         changes = diff(self._emitted, inventory)
         first = self._emitted is None

@@ -29,11 +29,10 @@ from gpuid_agent.delivery.exporters.base import (
     BatchMeta,
     Exporter,
     ExporterHealth,
-    Record,
     excerpt,
-    gpuid_shape,
-    json_bytes,
 )
+from gpuid_agent.records.serialize import gpuid_shape, json_bytes, to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.redact import has_userinfo, redact_url, scrub, url_secrets
 from gpuid_agent.runtime.retry import parse_retry_after
@@ -127,8 +126,8 @@ class HttpExporter(Exporter):
             )
         return self._session
 
-    async def _body(self, batch: Sequence[Record]) -> bytes:
-        body = json_bytes([gpuid_shape(r) for r in batch])
+    async def _body(self, batch: Sequence[AnyRecord]) -> bytes:
+        body = json_bytes([gpuid_shape(to_wire(r)) for r in batch])
         if not self.gzip_body:
             return body
         if len(body) > _GZIP_IN_THREAD:
@@ -141,11 +140,11 @@ class HttpExporter(Exporter):
         go through this, so a one-letter user name cannot blot them out."""
         return scrub(text.replace(self.endpoint, self.shown_endpoint), [token, *self._url_secrets])
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
         await self._post(batch, meta, self._tokens.get())
 
-    async def _post(self, batch: Sequence[Record], meta: BatchMeta, token: str) -> None:
+    async def _post(self, batch: Sequence[AnyRecord], meta: BatchMeta, token: str) -> None:
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": meta.batch_id,
