@@ -48,9 +48,9 @@ def tables(schema: str) -> Tables:
 
 async def _drain(worker: ExporterWorker, until: int, limit: float = 600.0) -> None:
     deadline = time.monotonic() + limit
-    while worker.delivered_records < until:
+    while worker.describe()["delivered_records"] < until:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{worker.name}: {worker.delivered_records}/{until} delivered")
+            raise TimeoutError(f"{worker.name}: {worker.describe()["delivered_records"]}/{until} delivered")
         await asyncio.sleep(0.005)
 
 

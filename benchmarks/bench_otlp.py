@@ -88,9 +88,9 @@ async def bench_delivery(records: list[dict[str, Any]]) -> list[Row]:
             for record in records:
                 await worker.put(record)
             deadline = time.monotonic() + 600
-            while worker.delivered_records < len(records):
+            while worker.describe()["delivered_records"] < len(records):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{worker.delivered_records}/{len(records)} delivered")
+                    raise TimeoutError(f"{worker.describe()["delivered_records"]}/{len(records)} delivered")
                 await asyncio.sleep(0.005)
             elapsed = time.perf_counter() - started
             worker.close_intake()

@@ -50,9 +50,9 @@ async def _drain(exporter: PostgresExporter, spool: DiskSpool, size: int, total:
     worker = ExporterWorker(exporter, policy, AgentMetrics(), store=spool)
     started = time.perf_counter()
     task = asyncio.create_task(worker.run())
-    while worker.delivered_records < total:
+    while worker.describe()["delivered_records"] < total:
         if task.done():
-            raise RuntimeError(f"worker ended early: {worker.last_error}")
+            raise RuntimeError(f"worker ended early: {worker.describe()["last_error"]}")
         await asyncio.sleep(0.002)
     elapsed = time.perf_counter() - started
     worker.close_intake()

@@ -24,10 +24,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.readings import reading_records
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import allocation, inventory
 
@@ -123,7 +124,7 @@ class SimNode:
         self.pods: dict[int, tuple[str, datetime]] = {}  # GPU → (pod, started)
         self.serial = f"SN-{name}"
 
-    async def _put(self, records: list[Record]) -> None:
+    async def _put(self, records: list[AnyRecord]) -> None:
         for record in records:
             for worker in self.workers:
                 await worker.put(record)

@@ -13,7 +13,8 @@ from typing import Any
 
 from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.records.readings import SCHEMA_VERSION, reading_records, rfc3339
-from gpuid_agent.records.types import AllocationRecord, ReadingRecord
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AllocationRecord, AnyRecord, ReadingRecord
 
 BASE_TIME = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -183,3 +184,8 @@ def numbered(count: int, *, node: str = "n1", padding: int = 0) -> list[ReadingR
         )
         for i in range(count)
     ]
+
+
+def wire_id(record: AnyRecord) -> str:
+    """The record id a sink receives for `record`."""
+    return str(to_wire(record)["record_id"])

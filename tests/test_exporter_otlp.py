@@ -282,7 +282,7 @@ async def test_partial_success_is_counted_and_logged_once_per_batch(
         )
         == 4
     )
-    assert worker.delivered_records == 12  # declined records are not re-sent
+    assert worker.describe()["delivered_records"] == 12  # declined records are not re-sent
     assert len(otlp_receiver.requests) == 3
     logged = [r for r in caplog.records if "declined" in r.getMessage()]
     assert [(r.rejected, r.records) for r in logged] == [(3, 4), (1, 4)]  # type: ignore[attr-defined]

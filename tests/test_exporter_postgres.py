@@ -20,7 +20,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import BASE_TIME, allocation, eventually, readings, spool_files
+from tests.exporter_support import BASE_TIME, allocation, eventually, readings, spool_files, wire_id
 from tests.servers.postgres import PostgresCluster
 
 Factory = Callable[..., PostgresExporter]
@@ -105,7 +105,7 @@ async def test_same_batch_twice_stores_each_record_once(
     table = f"{pg_schema}.gpu_readings"
     assert await count(db, table) == 16
     assert await db.fetchval(f"SELECT count(DISTINCT record_id) FROM {table}") == 16
-    row = await db.fetchrow(f"SELECT * FROM {table} WHERE record_id = $1", batch[0]["record_id"])
+    row = await db.fetchrow(f"SELECT * FROM {table} WHERE record_id = $1", wire_id(batch[0]))
     assert (row["cluster"], row["node"], row["machine"], row["gpu"], row["chassis"]) == (
         "c1",
         "n1",
@@ -114,7 +114,7 @@ async def test_same_batch_twice_stores_each_record_once(
         "CH-1",
     )
     assert row["read_time"] == BASE_TIME
-    assert row["uuid"] == batch[0]["uuid"]
+    assert row["uuid"] == batch[0].uuid
     assert row["gpu_index"] == 0
 
 
@@ -173,7 +173,7 @@ async def test_allocation_end_updates_its_row(
     row = await db.fetchrow(f"SELECT * FROM {table} WHERE pod = 'p1'")
     assert row["started_at"] == BASE_TIME
     assert row["ended_at"] == BASE_TIME + timedelta(hours=2)
-    assert (row["start_record_id"], row["end_record_id"]) == (start["record_id"], end["record_id"])
+    assert (row["start_record_id"], row["end_record_id"]) == (start.record_id, end.record_id)
     assert (row["namespace"], row["workload_kind"], row["workload_name"]) == (
         "ml",
         "Deployment",

@@ -18,7 +18,7 @@ from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import eventually, readings
+from tests.exporter_support import eventually, readings, wire_id
 from tests.servers.postgres import PostgresCluster
 
 
@@ -122,7 +122,7 @@ async def test_server_restart_reconnects_and_loses_nothing(
             sent += batch
             for record in batch:
                 await worker.put(record)
-        await eventually(lambda: worker.delivered_records == len(sent), timeout=20)
+        await eventually(lambda: worker.describe()["delivered_records"] == len(sent), timeout=20)
         await asyncio.to_thread(postgres.stop_server, "fast")  # the held connection dies
         try:
             for i in range(5):
@@ -130,12 +130,12 @@ async def test_server_restart_reconnects_and_loses_nothing(
                 sent += batch
                 for record in batch:
                     await worker.put(record)
-            await eventually(lambda: worker.consecutive_failures > 0, timeout=20)
+            await eventually(lambda: worker.describe()["consecutive_failures"] > 0, timeout=20)
             assert not worker.health().ok
             assert spool.records > 0  # held on disk meanwhile
         finally:
             await asyncio.to_thread(postgres.start_server)
-        await eventually(lambda: worker.delivered_records == len(sent), timeout=30)
+        await eventually(lambda: worker.describe()["delivered_records"] == len(sent), timeout=30)
     finally:
         worker.close_intake()
         await asyncio.wait_for(task, 20)
@@ -145,7 +145,7 @@ async def test_server_restart_reconnects_and_loses_nothing(
         stored = await db.fetch(f"SELECT record_id FROM {table}")
     finally:
         await db.close()
-    assert sorted(r[0] for r in stored) == sorted(r["record_id"] for r in sent)
+    assert sorted(r[0] for r in stored) == sorted(wire_id(r) for r in sent)
     assert worker.health().ok
     assert spool.records == 0
 

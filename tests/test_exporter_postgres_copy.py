@@ -28,7 +28,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import REJECTED_DIR, DiskSpool
 from gpuid_agent.runtime.errors import CorruptBatchError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import allocation, eventually, readings, spool_files
+from tests.exporter_support import allocation, eventually, readings, spool_files, wire_id
 from tests.servers.postgres import PostgresCluster
 
 Factory = Callable[..., PostgresExporter]
@@ -222,7 +222,7 @@ async def test_resent_and_repeated_records_in_a_coalesced_delivery_are_stored_on
     metrics = AgentMetrics()
     await drain(exporter, spool, metrics)
     assert deliveries(metrics) == 1
-    expected = {r["record_id"] for r in first + second}
+    expected = {wire_id(r) for r in first + second}
     stored = await db.fetch(f"SELECT record_id FROM {pg_schema}.gpu_readings")
     assert sorted(r[0] for r in stored) == sorted(expected)
 

@@ -32,7 +32,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import allocation, eventually, readings
+from tests.exporter_support import allocation, eventually, readings, wire_id
 from tests.servers.s3 import MotoServer
 
 Factory = Callable[..., S3Exporter]
@@ -89,8 +89,8 @@ async def test_csv_object_with_gpuid_columns(
     rows = list(csv.reader(io.StringIO(body.decode())))
     assert tuple(rows[0][:7]) == ("cluster", "node", "machine", "source", "chassis", "gpu", "time")
     assert len(rows) == 9
-    assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0]["read_time"]]
-    assert rows[1][CSV_COLUMNS.index("record_id")] == batch[0]["record_id"]
+    assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0].read_time]
+    assert rows[1][CSV_COLUMNS.index("record_id")] == wire_id(batch[0])
     assert metadata == {
         "source": "gpuid-agent",
         "record_count": "8",
@@ -180,7 +180,7 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
     try:
         for record in batch:
             await worker.put(record)
-        await eventually(lambda: worker.consecutive_failures >= 2 and spool.batches == 5)
+        await eventually(lambda: worker.describe()["consecutive_failures"] >= 2 and spool.batches == 5)
         assert not (worker.health()).ok
         assert (worker.health()).state == "degraded"
         await asyncio.to_thread(server.start)
@@ -194,7 +194,7 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
             for body, _ in stored.values()
             for line in body.splitlines()
         ]
-        assert sorted(ids) == sorted(r["record_id"] for r in batch)
+        assert sorted(ids) == sorted(wire_id(r) for r in batch)
         assert (await exporter.health()).ok
     finally:
         worker.close_intake()

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.records.types import AnyRecord
 from tests.conftest import eventually, running_agent, settings
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 
@@ -24,9 +25,9 @@ class Collect(Exporter):
     name = "collect"
 
     def __init__(self) -> None:
-        self.records: list[Record] = []
+        self.records: list[AnyRecord] = []
 
-    async def export(self, batch: Sequence[Record]) -> None:
+    async def export(self, batch: Sequence[AnyRecord]) -> None:
         self.records.extend(batch)
 
 

@@ -11,9 +11,10 @@ import io
 from datetime import datetime
 from pathlib import Path
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.s3 import S3Exporter, key_part, partition, to_csv, to_ndjson
 from gpuid_agent.delivery.exporters.s3.layout import stamp
+from gpuid_agent.records.types import AnyRecord
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import (
     D1,
@@ -30,10 +31,10 @@ from tests.test_s3_queries import (
 )
 
 
-def write_previous(root: Path, readings: list[Record], allocations: list[Record]) -> None:
+def write_previous(root: Path, readings: list[AnyRecord], allocations: list[AnyRecord]) -> None:
     """Keys and bodies as the previous versions named and wrote them (header on)."""
     meta = BatchMeta(BatchMeta.new().batch_id, DAY1)
-    groups: dict[tuple[str, str, str], list[Record]] = {}
+    groups: dict[tuple[str, str, str], list[AnyRecord]] = {}
     for record in readings + allocations:
         group = (str(record["cluster"]), str(record["node"]), str(record["kind"]))
         groups.setdefault(group, []).append(record)
@@ -53,7 +54,7 @@ def write_previous(root: Path, readings: list[Record], allocations: list[Record]
             (folder / f"{name}.{kind}.ndjson").write_bytes(to_ndjson(records))
 
 
-def write_gpuid(root: Path, readings: list[Record]) -> None:
+def write_gpuid(root: Path, readings: list[AnyRecord]) -> None:
     """Objects as gpuid writes them: seven columns, no header, RFC 3339 seconds, one hour
     partition under the prefix, `<YYYYMMDD-HHMMSS.mmm>.csv`."""
     for i, record in enumerate(readings):
@@ -66,7 +67,7 @@ def write_gpuid(root: Path, readings: list[Record]) -> None:
         (folder / f"{when:%Y%m%d-%H%M%S}.{i:03d}.csv").write_text(out.getvalue())
 
 
-def write_current(moto: MotoServer, bucket: str, records: list[Record], tmp_path: Path) -> Path:
+def write_current(moto: MotoServer, bucket: str, records: list[AnyRecord], tmp_path: Path) -> Path:
     async def write() -> None:
         exporter = S3Exporter(bucket, endpoint_url=moto.url, region="us-east-1", path_style=True)
         try:
