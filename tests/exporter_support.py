@@ -14,7 +14,7 @@ from typing import Any
 from gpuid_agent.model import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.records.readings import SCHEMA_VERSION, reading_records, rfc3339
 from gpuid_agent.records.serialize import to_wire
-from gpuid_agent.records.types import AllocationRecord, AnyRecord, ReadingRecord
+from gpuid_agent.records.types import AllocationRecord, AnyRecord, HealthRecord, ReadingRecord
 
 BASE_TIME = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -189,3 +189,31 @@ def numbered(count: int, *, node: str = "n1", padding: int = 0) -> list[ReadingR
 def wire_id(record: AnyRecord) -> str:
     """The record id a sink receives for `record`."""
     return str(to_wire(record)["record_id"])
+
+
+def health(
+    *, check: str = "xid", state: str = "degraded", node: str = "n1", uuid: str = "GPU-n1-0"
+) -> HealthRecord:
+    """One GPU's health check changing state."""
+    at = rfc3339(BASE_TIME)
+    return HealthRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="health",
+        cluster="c1",
+        node=node,
+        machine="m1",
+        source="test/agent",
+        chassis="CH-1",
+        gpu="SN-A",
+        read_time=at,
+        uuid=uuid,
+        index=0,
+        check=check,
+        state=state,
+        previous_state="healthy",
+        action="none",
+        reason="XID 79",
+        since=at,
+        gpu_state=state,
+        machine_source="test",
+    )

@@ -117,7 +117,9 @@ async def test_401_then_200_holds_every_batch_and_delivers_all(
     try:
         for record in sent:
             await worker.put(record)
-        await eventually(lambda: worker.store.batches == 5 and worker.describe()["consecutive_failures"] >= 4)
+        await eventually(
+            lambda: worker.store.batches == 5 and worker.describe()["consecutive_failures"] >= 4
+        )
         health = worker.health()
         assert health.state == "degraded"
         assert health.reason is not None and health.reason.startswith("authentication")

@@ -72,25 +72,25 @@ def allocation(event: str = "start", **kw: Any) -> AllocationRecord:
 
 def health(state: str = "unhealthy") -> HealthRecord:
     return HealthRecord(
-            schema_version=SCHEMA_VERSION,
-            kind="health",
-            cluster="c1",
-            node="n1",
-            machine="m1",
-            source="test/agent",
-            chassis="CH-1",
-            gpu="SN-B",
-            read_time="2025-03-01T12:30:00.000Z",
-            uuid="GPU-n1-2",
-            index=2,
-            check="xid",
-            state=state,
-            previous_state="healthy",
-            action="reboot",
-            reason="XID 79",
-            since="2025-03-01T12:30:00.000Z",
-            gpu_state="unhealthy",
-            machine_source="machine_id",
+        schema_version=SCHEMA_VERSION,
+        kind="health",
+        cluster="c1",
+        node="n1",
+        machine="m1",
+        source="test/agent",
+        chassis="CH-1",
+        gpu="SN-B",
+        read_time="2025-03-01T12:30:00.000Z",
+        uuid="GPU-n1-2",
+        index=2,
+        check="xid",
+        state=state,
+        previous_state="healthy",
+        action="reboot",
+        reason="XID 79",
+        since="2025-03-01T12:30:00.000Z",
+        gpu_state="unhealthy",
+        machine_source="machine_id",
     )
 
 
@@ -122,9 +122,7 @@ async def test_records_arrive_as_decoded_log_records(
     assert got.headers["Content-Type"] == "application/x-protobuf"
     assert got.headers["Content-Encoding"] == "gzip"
     assert got.headers["User-Agent"] == f"gpuid-agent/{__version__}"
-    assert [log.attributes["gpuid.record.id"] for log in got.logs] == [
-        wire_id(r) for r in batch
-    ]
+    assert [log.attributes["gpuid.record.id"] for log in got.logs] == [wire_id(r) for r in batch]
     for log, record in zip(got.logs, batch, strict=True):
         assert log.record == to_wire(record)  # the body is the whole record
         assert log.resource == {

@@ -85,7 +85,9 @@ async def test_dead_sink_blocks_neither_producer_nor_other_exporters(
     await eventually(lambda: receiver.accepted_ids() == ids)
     await eventually(lambda: len(out.getvalue().splitlines()) == 200)
     postgres = pipeline.workers[0]
-    await eventually(lambda: postgres.store.records == 200 and postgres.describe()["consecutive_failures"] > 0)
+    await eventually(
+        lambda: postgres.store.records == 200 and postgres.describe()["consecutive_failures"] > 0
+    )
     assert {p.name for p in tmp_path.iterdir()} == {"postgres", "http", "stdout"}
     healths = pipeline.health()
     assert healths["postgres"].state == "degraded"
@@ -158,7 +160,9 @@ async def test_every_sink_down_then_back_loses_nothing(
             batch = readings(3, node=f"n{i}")
             records += batch
             await pipeline.publish(batch)
-        await eventually(lambda: all(w.describe()["consecutive_failures"] >= 2 for w in pipeline.workers))
+        await eventually(
+            lambda: all(w.describe()["consecutive_failures"] >= 2 for w in pipeline.workers)
+        )
         healths = pipeline.health()
         assert {h.state for h in healths.values()} == {"degraded"}
     finally:
@@ -168,9 +172,7 @@ async def test_every_sink_down_then_back_loses_nothing(
     records += readings(1, node="after")
     ids = {wire_id(r) for r in records}
     await eventually(
-        lambda: (
-            ids - {wire_id(r) for r in readings(1, node="before")} <= receiver.accepted_ids()
-        )
+        lambda: ids - {wire_id(r) for r in readings(1, node="before")} <= receiver.accepted_ids()
     )
     conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
     try:
@@ -197,7 +199,9 @@ async def test_shutdown_keeps_undelivered_batches_in_the_spool(
     (worker,) = pipeline.workers
     task = asyncio.create_task(worker.run())
     await pipeline.publish(readings(3))
-    await eventually(lambda: worker.store.batches == 3 and worker.describe()["consecutive_failures"] > 0)
+    await eventually(
+        lambda: worker.store.batches == 3 and worker.describe()["consecutive_failures"] > 0
+    )
     worker.close_intake()
     await asyncio.wait_for(task, 10)
     await worker.exporter.close()
@@ -272,7 +276,9 @@ async def test_agent_readiness_and_status_with_a_down_exporter(
     await agent.start()
     try:
         (worker,) = agent.pipeline.workers
-        await eventually(lambda: worker.store.batches >= 2 and worker.describe()["consecutive_failures"] > 0)
+        await eventually(
+            lambda: worker.store.batches >= 2 and worker.describe()["consecutive_failures"] > 0
+        )
         async with aiohttp.ClientSession() as http:
             base = f"http://127.0.0.1:{agent.bound_port}"
             async with http.get(f"{base}/readyz") as response:

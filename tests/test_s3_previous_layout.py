@@ -14,6 +14,7 @@ from pathlib import Path
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.s3 import S3Exporter, key_part, partition, to_csv, to_ndjson
 from gpuid_agent.delivery.exporters.s3.layout import stamp
+from gpuid_agent.records.serialize import Wire, to_wire
 from gpuid_agent.records.types import AnyRecord
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import (
@@ -34,8 +35,8 @@ from tests.test_s3_queries import (
 def write_previous(root: Path, readings: list[AnyRecord], allocations: list[AnyRecord]) -> None:
     """Keys and bodies as the previous versions named and wrote them (header on)."""
     meta = BatchMeta(BatchMeta.new().batch_id, DAY1)
-    groups: dict[tuple[str, str, str], list[AnyRecord]] = {}
-    for record in readings + allocations:
+    groups: dict[tuple[str, str, str], list[Wire]] = {}
+    for record in map(to_wire, readings + allocations):
         group = (str(record["cluster"]), str(record["node"]), str(record["kind"]))
         groups.setdefault(group, []).append(record)
     for (cluster, node, kind), records in groups.items():
@@ -57,7 +58,7 @@ def write_previous(root: Path, readings: list[AnyRecord], allocations: list[AnyR
 def write_gpuid(root: Path, readings: list[AnyRecord]) -> None:
     """Objects as gpuid writes them: seven columns, no header, RFC 3339 seconds, one hour
     partition under the prefix, `<YYYYMMDD-HHMMSS.mmm>.csv`."""
-    for i, record in enumerate(readings):
+    for i, record in enumerate(map(to_wire, readings)):
         when = datetime.fromisoformat(record["read_time"])
         folder = root / "gpuid" / when.strftime("year=%Y/month=%m/day=%d/hour=%H")
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,7 @@ def test_gpuid_objects_and_ours_answer_together(
     moto_server: MotoServer, s3_bucket: str, tmp_path: Path
 ) -> None:
     readings = fleet_readings()
-    gpuid = [r for r in readings if r["read_time"].startswith("2025-03-01")]
+    gpuid = [r for r in readings if r.read_time.startswith("2025-03-01")]
     ours = [r for r in readings if r not in gpuid] + fleet_allocations()
     root = write_current(moto_server, s3_bucket, ours, tmp_path)
     write_gpuid(root, gpuid)
@@ -106,9 +107,9 @@ def test_previous_and_current_layout_answer_together(
 ) -> None:
     readings, allocations = fleet_readings(), fleet_allocations()
     # the first day's readings and the first allocation's records were written before
-    old_readings = [r for r in readings if r["read_time"].startswith("2025-03-01")]
+    old_readings = [r for r in readings if r.read_time.startswith("2025-03-01")]
     old_allocations = allocations[:2]
-    assert {r["pod"] for r in old_allocations} == {"eval"}
+    assert {r.pod for r in old_allocations}  # type: ignore[union-attr] == {"eval"}
     new = [r for r in readings if r not in old_readings] + allocations[2:]
     root = write_current(moto_server, s3_bucket, new, tmp_path)
     write_previous(root, old_readings, old_allocations)

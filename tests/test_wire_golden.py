@@ -174,9 +174,7 @@ async def current_outputs(capture: Capture, spool_dir: Path) -> dict[str, bytes]
     return out
 
 
-async def test_every_exporter_writes_what_it_wrote_before(
-    capture: Capture, tmp_path: Path
-) -> None:
+async def test_every_exporter_writes_what_it_wrote_before(capture: Capture, tmp_path: Path) -> None:
     outputs = await current_outputs(capture, tmp_path)
     pinned = {p.name for p in GOLDEN.iterdir() if p.name != "records.json"}
     assert set(outputs) == pinned
