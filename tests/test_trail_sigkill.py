@@ -31,6 +31,7 @@ import orjson
 
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
+from gpuid_agent.records.types import AllocationRecord
 from gpuid_agent.simulate.profiles import gb200x4
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.state.attribution import Attribution, attribute
@@ -363,9 +364,9 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
-    published: list[dict[str, Any]] = []
+    published: list[AllocationRecord] = []
 
-    async def spool(records: list[dict[str, Any]]) -> None:
+    async def spool(records: list[AllocationRecord]) -> None:
         published.extend(records)
 
     second = AllocationTrail(identity, publish_durable=spool, state_dir=str(tmp_path))
@@ -376,7 +377,7 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
     finally:
         second.stop()
         await asyncio.wait_for(task, 10)
-    assert [(r["pod"], r["event"], r["end_observed"]) for r in published] == [
+    assert [(r.pod, r.event, r.end_observed) for r in published] == [
         ("job-1", "start", None),
         ("job-1", "end", False),
     ]
