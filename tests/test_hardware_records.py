@@ -17,6 +17,8 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.model import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch, changes
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import HardwareRecord
 from gpuid_agent.sources.nvml.api import PynvmlApi
 from tests import fakenvml
 from tests.conftest import eventually, running_agent, settings
@@ -80,7 +82,7 @@ def test_a_serial_that_did_not_read_is_no_removal() -> None:
     watch = HardwareWatch(cluster="c", source="t", publish_durable=_never)
     assert watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", "S2"))) == []
     assert watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2A:00.0", None))) == []
-    [record] = watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2a:00.0", "S3")))
+    [record] = map(to_wire, watch.diff(_inventory(("0000:18:00.0", "S1"), ("0000:2a:00.0", "S3"))))
     assert (record["event"], record["old_serial"], record["new_serial"]) == ("replaced", "S2", "S3")
     assert record["pci_bus_id"] == "0000:2a:00.0" and record["uuid"] == "GPU-1-S3"
 
@@ -100,9 +102,9 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     await eventually(lambda: state.exists() and b'"pending":[{' in state.read_bytes())
     task.cancel()  # killed while the exporters still held nothing
     [owed] = first.pending
-    published: list[dict[str, Any]] = []
+    published: list[HardwareRecord] = []
 
-    async def publish(records: list[dict[str, Any]]) -> None:
+    async def publish(records: list[HardwareRecord]) -> None:
         published.extend(records)
 
     second = HardwareWatch(
@@ -113,7 +115,7 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     second.offer(_inventory(("0000:18:00.0", "S2")))  # the same slot again: nothing new
     second.stop()
     await runner
-    assert published == [owed] and owed["record_id"] == published[0]["record_id"]
+    assert published == [owed] and owed.record_id == published[0].record_id
     third = HardwareWatch(cluster="c", source="t", publish_durable=publish, state_dir=str(tmp_path))
     assert third.pending == [] and third.slots == {"0000:18:00.0": "S2"}
 

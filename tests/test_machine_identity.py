@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpuid_agent.model import PlatformInfo
 from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 from gpuid_agent.sources.machine import resolve_machine
 from gpuid_agent.state.inventory import diff
@@ -107,7 +108,7 @@ def test_machine_change_is_an_inventory_change_with_new_records() -> None:
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=_discard)
     emitter._emitted = before  # as if `before` had been sent
     emitter._last_emit = emitter._clock()
-    records = emitter.due(after)
+    records = [to_wire(r) for r in emitter.due(after)]
     assert len(records) == 4
     assert {r["machine"] for r in records} == {"i-0new"}
     assert {r["reason"] for r in records} == {"change"}
@@ -136,7 +137,7 @@ def test_chassis_change_for_a_serial_is_an_inventory_change() -> None:
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=_discard)
     emitter._emitted = before
     emitter._last_emit = emitter._clock()
-    records = emitter.due(after)
+    records = [to_wire(r) for r in emitter.due(after)]
     assert {r["chassis"] for r in records} == {"CHASSIS-2"}
     assert {r["change"] for r in records} == {"changed"}
 
