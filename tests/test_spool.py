@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool, MemoryBatches
 from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import CorruptBatchError
+from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import allocation, readings
 from tests.record_strategies import RECORDS
 
@@ -130,19 +135,6 @@ async def test_memory_store_bound(tmp_path: Path) -> None:
     assert (await store.load(oldest))[0].node == "b"
 
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
-    ),
-    max_leaves=10,
-)
-
-
 @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(RECORDS, min_size=1, max_size=4))
 async def test_any_record_round_trips(tmp_path: Path, records: list[AnyRecord]) -> None:
@@ -198,3 +190,25 @@ async def test_a_dropped_batch_cancels_its_read_ahead(tmp_path: Path) -> None:
     assert second.meta.batch_id in spool._prefetched
     await spool.remove(second)
     assert spool._prefetched == {}
+
+
+async def test_a_batch_that_does_not_read_back_into_records_is_set_aside(tmp_path: Path) -> None:
+    # A file of the previous release whose record was changed on disk: its id no longer
+    # matches. It goes to rejected/, whole, and the batches after it are delivered.
+    spool = DiskSpool(tmp_path / "stdout", 1 << 20)
+    await spool.add(readings(1, node="tampered"))
+    await spool.add(readings(1, node="fine"))
+    head = spool.oldest()
+    assert head is not None and head.path is not None
+    head.path.write_bytes(head.path.read_bytes().replace(b'"node":"tampered"', b'"node":"other"'))
+    reopened = DiskSpool(tmp_path / "stdout", 1 << 20)
+    out = io.BytesIO()
+    metrics = AgentMetrics()
+    worker = ExporterWorker(StdoutExporter(out), BatchPolicy(), metrics, store=reopened)
+    worker.close_intake()
+    await asyncio.wait_for(worker.run(), 10)
+    assert {orjson.loads(line)["node"] for line in out.getvalue().splitlines()} == {"fine"}
+    (kept,) = (tmp_path / "stdout" / "rejected").iterdir()
+    assert b'"node":"other"' in kept.read_bytes()
+    status = worker.describe()
+    assert (status["set_aside_batches"], status["dropped_records"]) == (1, 0)
