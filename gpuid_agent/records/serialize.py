@@ -138,6 +138,25 @@ def gpuid_shape(wire: Wire) -> Wire:
 # ---- back from the wire ------------------------------------------------------------------------
 
 Check = Callable[[Any], bool]
+_SCALARS: dict[Any, type] = {
+    str: str,
+    int: int,
+    bool: bool,
+    None: type(None),
+    type(None): type(None),
+}
+
+
+def _scalar_types(annotation: Any) -> frozenset[type] | None:
+    """The exact types a field of plain scalars takes (a bool is no int here), or None."""
+    parts = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (types.UnionType, typing.Union)
+        else (annotation,)
+    )
+    if all(part in _SCALARS for part in parts):
+        return frozenset(_SCALARS[part] for part in parts)
+    return None
 
 
 def _check(annotation: Any) -> Check:
@@ -146,39 +165,49 @@ def _check(annotation: Any) -> Check:
     if origin is Literal:
         allowed = typing.get_args(annotation)
         return lambda v: type(v) is str and v in allowed
-    if origin in (types.UnionType, typing.Union):
-        parts = [_check(a) for a in typing.get_args(annotation)]
-        return lambda v: any(p(v) for p in parts)
-    if origin is tuple:
-        item = typing.get_args(annotation)[0]
-        if typing.get_origin(item) is dict:
-            return lambda v: (
-                type(v) is list
-                and all(
-                    type(h) is dict and all(type(k) is str and type(x) is str for k, x in h.items())
-                    for h in v
-                )
+    item = typing.get_args(annotation)[0]
+    if origin is tuple and typing.get_origin(item) is dict:
+        return lambda v: (
+            type(v) is list
+            and all(
+                type(h) is dict and all(type(k) is str and type(x) is str for k, x in h.items())
+                for h in v
             )
-        each = _check(item)
-        return lambda v: type(v) is list and all(each(x) for x in v)
-    if annotation is None or annotation is type(None):
-        return lambda v: v is None
-    return lambda v: type(v) is annotation  # str, int, bool: exactly (a bool is no int here)
+        )
+    if origin is tuple and item is str:
+        return lambda v: type(v) is list and all(type(x) is str for x in v)
+    raise TypeError(f"no wire check for {annotation!r}")
 
 
-def _checks(cls: type[AnyRecord]) -> dict[str, Check]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: _check(hints[f.name]) for f in fields(cls)}
+class _Shape:
+    """How one record type's fields are checked: most by exact type, a few by a test."""
+
+    def __init__(self, cls: type[AnyRecord]) -> None:
+        hints = typing.get_type_hints(cls)
+        self.names = frozenset(f.name for f in fields(cls))
+        self.scalars: list[tuple[str, frozenset[type]]] = []
+        self.others: list[tuple[str, Check]] = []
+        for f in fields(cls):
+            allowed = _scalar_types(hints[f.name])
+            if allowed is None:
+                self.others.append((f.name, _check(hints[f.name])))
+            else:
+                self.scalars.append((f.name, allowed))
+
+    def wrong(self, wire: Mapping[str, Any]) -> list[str]:
+        """The fields present in `wire` whose value its type cannot hold."""
+        out = [n for n, allowed in self.scalars if n in wire and type(wire[n]) not in allowed]
+        return out + [n for n, check in self.others if n in wire and not check(wire[n])]
 
 
-_CHECKS = {cls: _checks(cls) for cls in _RECORD_TYPES}
+_SHAPES = {cls: _Shape(cls) for cls in _RECORD_TYPES}
 _BY_KIND: dict[str, type[AnyRecord]] = {
     "reading": ReadingRecord,
     "allocation": AllocationRecord,
     "health": HealthRecord,
     "hardware": HardwareRecord,
 }
-_NAMES = {cls: frozenset(_CHECKS[cls]) for cls in _RECORD_TYPES}
+_NAMES = {cls: shape.names for cls, shape in _SHAPES.items()}
 _READING_KEYS = _NAMES[ReadingRecord] | {"record_id"}
 _HEALTH_KEYS = _NAMES[HealthRecord] - {"holders"} | {"record_id"}
 _ALLOCATION_KEYS = _NAMES[AllocationRecord] - {"last_seen_at", *_CLAIM_FIELDS}
@@ -186,22 +215,21 @@ _ALLOCATION_KEYS = _NAMES[AllocationRecord] - {"last_seen_at", *_CLAIM_FIELDS}
 
 def from_wire(wire: Mapping[str, Any]) -> AnyRecord:
     """The typed record `wire` is the wire form of; `WireError` says why it is none."""
-    if not isinstance(wire, Mapping):
+    if type(wire) is not dict and not isinstance(wire, Mapping):
         raise WireError(f"a record is a JSON object, not {type(wire).__name__}")
     kind = wire.get("kind")
     cls = _BY_KIND.get(kind) if type(kind) is str else None
     if cls is None:
         raise WireError(f"unknown record kind {kind!r}")
     _expect_keys(cls, wire)
-    checks = _CHECKS[cls]
-    values = {name: value for name, value in wire.items() if name in checks}
-    wrong = [name for name, value in values.items() if not checks[name](value)]
+    wrong = _SHAPES[cls].wrong(wire)
     if wrong:
         raise WireError(f"{kind} record has a wrong type in {', '.join(sorted(wrong))}")
+    values = dict(wire)
     if cls is ReadingRecord or cls is HealthRecord:
-        body = {name: value for name, value in wire.items() if name != "record_id"}
+        given = values.pop("record_id")
         try:
-            matches = wire["record_id"] == _content_id(body)
+            matches = given == _content_id(values)  # the id hashes the rest, as written
         except TypeError:  # a string no record id could have hashed (a lone surrogate)
             matches = False
         if not matches:
