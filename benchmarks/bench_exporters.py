@@ -28,6 +28,7 @@ from gpuid_agent.delivery.exporters.postgres import rows as rowmap
 from gpuid_agent.delivery.exporters.s3 import S3Exporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.types import ReadingRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import readings
 from tests.servers.postgres import PostgresCluster, free_port
@@ -37,7 +38,7 @@ BACKLOG = 100_000
 PG_BATCH = 10_000
 
 
-def backlog(n: int) -> list[dict[str, Any]]:
+def backlog(n: int) -> list[ReadingRecord]:
     """n distinct readings (4 GPUs per snapshot, one snapshot per millisecond)."""
     return readings(n // 4, step=timedelta(milliseconds=1))
 
@@ -48,13 +49,15 @@ def tables(schema: str) -> Tables:
 
 async def _drain(worker: ExporterWorker, until: int, limit: float = 600.0) -> None:
     deadline = time.monotonic() + limit
-    while worker.delivered_records < until:
+    while worker.describe()["delivered_records"] < until:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{worker.name}: {worker.delivered_records}/{until} delivered")
+            raise TimeoutError(
+                f"{worker.name}: {worker.describe()['delivered_records']}/{until} delivered"
+            )
         await asyncio.sleep(0.005)
 
 
-async def bench_postgres(records: list[dict[str, Any]]) -> list[Row]:
+async def bench_postgres(records: list[ReadingRecord]) -> list[Row]:
     reason = PostgresCluster.unavailable()
     if reason:
         return [Row("exporters", "postgres", 0, "-", f"skipped: {reason}")]
@@ -156,7 +159,7 @@ def _start_receiver(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("receiver did not start")
 
 
-async def bench_http(records: list[dict[str, Any]], batch_size: int = 1000) -> list[Row]:
+async def bench_http(records: list[ReadingRecord], batch_size: int = 1000) -> list[Row]:
     port = free_port()
     proc = await asyncio.to_thread(_start_receiver, port)
     out: list[Row] = []

@@ -173,7 +173,9 @@ async def _simulate(sinks: list[Sink], nodes: int, schedule: Schedule) -> dict[s
         # Start: every agent within the start window; over once each delivered its first
         # readings (to every sink) and one idle timeout passed.
         async def started() -> bool:
-            return all(w.delivered_records >= schedule.gpus for n in fleet for w in n.workers)
+            return all(
+                w.describe()["delivered_records"] >= schedule.gpus for n in fleet for w in n.workers
+            )
 
         await phase(600.0, started)
         first = {s.name: out[s.name]["samples"] for s in sinks}

@@ -16,12 +16,12 @@ import sys
 import time
 import urllib.request
 from datetime import timedelta
-from typing import Any
 
 from benchmarks.common import Row, median
-from gpuid_agent.delivery.exporters.base import gpuid_shape, json_bytes
 from gpuid_agent.delivery.exporters.otlp import OtlpExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
+from gpuid_agent.records.serialize import gpuid_shape, json_bytes, to_wire
+from gpuid_agent.records.types import ReadingRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import readings
 from tests.servers.postgres import free_port
@@ -30,11 +30,11 @@ ENCODE_BATCH = 10_000
 DELIVERED = 20_000
 
 
-def _records(n: int) -> list[dict[str, Any]]:
+def _records(n: int) -> list[ReadingRecord]:
     return readings(n // 4, step=timedelta(milliseconds=1))
 
 
-def bench_encode(records: list[dict[str, Any]]) -> list[Row]:
+def bench_encode(records: list[ReadingRecord]) -> list[Row]:
     out: list[Row] = []
     for compression in ("gzip", "none"):
         exporter = OtlpExporter("http://127.0.0.1:1/v1/logs", compression=compression)
@@ -48,7 +48,7 @@ def bench_encode(records: list[dict[str, Any]]) -> list[Row]:
             Row("otlp", f"encode {compression}", len(records) / median(times), "records/s", note)
         )
         out.append(Row("otlp", f"wire {compression}", size / len(records), "bytes/record"))
-    http_json = gzip.compress(json_bytes([gpuid_shape(r) for r in records]), 6)
+    http_json = gzip.compress(json_bytes([gpuid_shape(to_wire(r)) for r in records]), 6)
     out.append(
         Row("otlp", "wire http json gzip", len(http_json) / len(records), "bytes/record",
             "the HTTP exporter's body of the same records, for comparison")
@@ -72,7 +72,7 @@ def _start_receiver(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("OTLP receiver did not start")
 
 
-async def bench_delivery(records: list[dict[str, Any]]) -> list[Row]:
+async def bench_delivery(records: list[ReadingRecord]) -> list[Row]:
     port = free_port()
     proc = await asyncio.to_thread(_start_receiver, port)
     out: list[Row] = []
@@ -88,9 +88,11 @@ async def bench_delivery(records: list[dict[str, Any]]) -> list[Row]:
             for record in records:
                 await worker.put(record)
             deadline = time.monotonic() + 600
-            while worker.delivered_records < len(records):
+            while worker.describe()["delivered_records"] < len(records):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{worker.delivered_records}/{len(records)} delivered")
+                    raise TimeoutError(
+                        f"{worker.describe()['delivered_records']}/{len(records)} delivered"
+                    )
                 await asyncio.sleep(0.005)
             elapsed = time.perf_counter() - started
             worker.close_intake()

@@ -23,6 +23,7 @@ from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.delivery.exporters.postgres import rows as rowmap
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.types import ReadingRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import readings
 from tests.servers.postgres import PostgresCluster
@@ -37,7 +38,7 @@ def _tables(schema: str) -> Tables:
 
 
 async def _fill(
-    directory: Path, exporter: PostgresExporter, records: list[dict[str, Any]], size: int
+    directory: Path, exporter: PostgresExporter, records: list[ReadingRecord], size: int
 ) -> DiskSpool:
     spool = DiskSpool(directory, 1 << 34, form=exporter.stored_form)
     for i in range(0, len(records), size):
@@ -50,9 +51,9 @@ async def _drain(exporter: PostgresExporter, spool: DiskSpool, size: int, total:
     worker = ExporterWorker(exporter, policy, AgentMetrics(), store=spool)
     started = time.perf_counter()
     task = asyncio.create_task(worker.run())
-    while worker.delivered_records < total:
+    while worker.describe()["delivered_records"] < total:
         if task.done():
-            raise RuntimeError(f"worker ended early: {worker.last_error}")
+            raise RuntimeError(f"worker ended early: {worker.describe()['last_error']}")
         await asyncio.sleep(0.002)
     elapsed = time.perf_counter() - started
     worker.close_intake()

@@ -24,10 +24,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.readings import reading_records
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.exporter_support import allocation, inventory
 
@@ -123,7 +125,7 @@ class SimNode:
         self.pods: dict[int, tuple[str, datetime]] = {}  # GPU → (pod, started)
         self.serial = f"SN-{name}"
 
-    async def _put(self, records: list[Record]) -> None:
+    async def _put(self, records: list[AnyRecord]) -> None:
         for record in records:
             for worker in self.workers:
                 await worker.put(record)
@@ -136,7 +138,7 @@ class SimNode:
             read_time=datetime.now(UTC),
         )
         records = reading_records(inv, source="fleet/bench", reason=reason)
-        self.expected.readings.update(r["record_id"] for r in records)
+        self.expected.readings.update(to_wire(r)["record_id"] for r in records)
         await self._put(records)
 
     async def _churn(self, gpu: int) -> None:
@@ -151,12 +153,12 @@ class SimNode:
         if held is not None:
             pod, started = held
             record = allocation(pod=pod, started_at=started, ended_at=now, **kw)
-            self.expected.allocations_ended.add(record["record_id"])
+            self.expected.allocations_ended.add(record.record_id)
         else:
             pod = f"p-{self.name}-{gpu}-{self.rng.getrandbits(32):x}"
             self.pods[gpu] = (pod, now)
             record = allocation(pod=pod, started_at=now, **kw)
-            self.expected.allocations_started.add(record["record_id"])
+            self.expected.allocations_started.add(record.record_id)
         await self._put([record])
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory, PlatformInfo
-from gpuid_agent.records.readings import SCHEMA_VERSION, reading_records, record_id, rfc3339
+from gpuid_agent.records.readings import SCHEMA_VERSION, reading_records, rfc3339
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AllocationRecord, AnyRecord, HealthRecord, ReadingRecord
 
 BASE_TIME = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -44,10 +47,10 @@ def inventory(
 
 def readings(
     snapshots: int = 1, step: timedelta = timedelta(milliseconds=1), **kw: Any
-) -> list[dict[str, Any]]:
+) -> list[ReadingRecord]:
     """`snapshots` consecutive readings of one node (4 records each by default)."""
     start = kw.pop("read_time", BASE_TIME)
-    out: list[dict[str, Any]] = []
+    out: list[ReadingRecord] = []
     for i in range(snapshots):
         out += reading_records(
             inventory(read_time=start + i * step, **kw), source="test/agent", reason="heartbeat"
@@ -66,32 +69,49 @@ def allocation(
     node: str = "n1",
     workload: tuple[str, str] | None = ("Deployment", "trainer"),
     allocation_id: str | None = None,
-) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "allocation",
-        "cluster": "c1",
-        "node": node,
-        "machine": "m1",
-        "gpu": serial,
-        "uuid": uuid,
-        "mig_uuid": None,
-        "namespace": namespace,
-        "pod": pod,
-        "pod_uid": f"uid-{pod}",
-        "container": "main",
-        "resource_name": "nvidia.com/gpu",
-        "device_id": uuid,
-        "workload_kind": workload[0] if workload else None,
-        "workload_name": workload[1] if workload else None,
-        "started_at": rfc3339(started_at),
-        "ended_at": rfc3339(ended_at) if ended_at else None,
-        "event": "end" if ended_at else "start",
-    }
-    if allocation_id:
-        record["allocation_id"] = allocation_id
-    record["record_id"] = record_id(record)
-    return record
+) -> AllocationRecord:
+    """A start (or, with `ended_at`, the end) of one container's allocation of one GPU."""
+    alloc_id = allocation_id or _digest("allocation", node, namespace, pod, uuid)
+    event = "end" if ended_at else "start"
+    started = rfc3339(started_at)
+    return AllocationRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="allocation",
+        record_id=_digest(alloc_id, event),
+        event=event,
+        cluster="c1",
+        node=node,
+        machine="m1",
+        machine_source="test",
+        source="test/agent",
+        chassis="CH-1",
+        gpu=serial,
+        read_time=rfc3339(ended_at) if ended_at else started,
+        allocation_id=alloc_id,
+        serial=serial,
+        uuid=uuid,
+        gpu_index=None,
+        mig_uuid=None,
+        mig_gpu_instance_id=None,
+        mig_profile=None,
+        namespace=namespace,
+        pod=pod,
+        pod_uid=f"uid-{pod}",
+        container="main",
+        resource_name="nvidia.com/gpu",
+        device_id=uuid,
+        replica=None,
+        workload_kind=workload[0] if workload else None,
+        workload_name=workload[1] if workload else None,
+        started_at=started,
+        start_observed=True,
+        ended_at=rfc3339(ended_at) if ended_at else None,
+        end_observed=True if ended_at else None,
+    )
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
 
 def spool_files(directory: Path) -> list[Path]:
@@ -115,3 +135,66 @@ def spooled_record_ids(path: Path) -> list[str]:
     ids += column_values(payload.allocations, rowmap.ALLOCATION_COLUMNS.index("record_id"))
     ids += column_values(payload.events, rowmap.EVENT_COLUMNS.index("record_id"))
     return ids
+
+
+def numbered(count: int, *, node: str = "n1", padding: int = 0) -> list[ReadingRecord]:
+    """`count` readings told apart by their uuid, `r<i>` (each `padding` characters longer)."""
+    read_time = rfc3339(BASE_TIME)
+    return [
+        ReadingRecord(
+            schema_version=SCHEMA_VERSION,
+            kind="reading",
+            cluster="c1",
+            node=node,
+            machine="m1",
+            source="test/agent",
+            chassis="CH-1",
+            gpu=f"SN-{i}",
+            read_time=read_time,
+            uuid=f"r{i}",
+            index=i,
+            model="NVIDIA GB200",
+            pci_bus_id=None,
+            module_id=None,
+            board_part_number=None,
+            driver_version="570.1",
+            machine_source="test",
+            mig_devices=(),
+            reason="heartbeat" + "x" * padding,
+            change="unchanged",
+        )
+        for i in range(count)
+    ]
+
+
+def wire_id(record: AnyRecord) -> str:
+    """The record id a sink receives for `record`."""
+    return str(to_wire(record)["record_id"])
+
+
+def health(
+    *, check: str = "xid", state: str = "degraded", node: str = "n1", uuid: str = "GPU-n1-0"
+) -> HealthRecord:
+    """One GPU's health check changing state."""
+    at = rfc3339(BASE_TIME)
+    return HealthRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="health",
+        cluster="c1",
+        node=node,
+        machine="m1",
+        source="test/agent",
+        chassis="CH-1",
+        gpu="SN-A",
+        read_time=at,
+        uuid=uuid,
+        index=0,
+        check=check,
+        state=state,
+        previous_state="healthy",
+        action="none",
+        reason="XID 79",
+        since=at,
+        gpu_state=state,
+        machine_source="test",
+    )

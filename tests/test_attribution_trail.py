@@ -14,7 +14,12 @@ import pytest
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.facts import GpuIdentity
-from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity, allocation_record_id
+from gpuid_agent.records.allocations import (
+    AllocationTrail,
+    TrailIdentity,
+    allocation_record_id,
+)
+from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
@@ -206,7 +211,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
             namespace, name, uid["value"], workload_kind="StatefulSet", workload_name="db"
         )
 
-    first = trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)
+    first = [to_wire(r) for r in trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)]
     assert len(first) == 1
     record = first[0]
     assert record["mig_uuid"] == gpu.mig_devices[0].uuid
@@ -218,7 +223,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
     )
     assert trail.owed(attribute(inventory, snapshot, pods=lookup), inventory) == []
     uid["value"] = "uid-2"
-    replaced = trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)
+    replaced = [to_wire(r) for r in trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)]
     assert [(r["event"], r["pod_uid"]) for r in replaced] == [("end", "uid-1"), ("start", "uid-2")]
     assert replaced[0]["allocation_id"] == record["allocation_id"]
     assert replaced[1]["allocation_id"] != record["allocation_id"]

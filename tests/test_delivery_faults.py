@@ -11,10 +11,12 @@ from pathlib import Path
 
 import orjson
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Pipeline
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.delivery_support import Tmpfs, tiny_tmpfs, tmp_files, tmpfs
@@ -52,7 +54,7 @@ class Failing(Exporter):
         self.down = True
         self.probes = 0
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         if self.down:
             raise ExportError("connection refused", error_type="connection")
 
@@ -72,7 +74,7 @@ async def test_read_only_spool_degrades_keeps_delivering_and_recovers(tmpfs: Tmp
     try:
         during = readings(3, node="during")
         await Pipeline([worker], metrics).publish(during)
-        expected = [r["record_id"] for r in on_disk + during]
+        expected = [to_wire(r)["record_id"] for r in on_disk + during]
         await eventually(lambda: ids(out) == expected)
         health = worker.health()
         assert health.state == "degraded"
@@ -151,7 +153,7 @@ async def test_spool_directory_replaced_by_a_file(tmp_path: Path) -> None:
     await spool.remove(first)  # its file cannot be unlinked: forgotten, no exception
     second = spool.oldest()
     assert second is not None and second.records is not None
-    assert records[0]["node"] == "first"
+    assert records[0].node == "first"
     kept, _ = await spool.set_aside(second)  # rejected/ is gone with it
     assert not kept
     assert spool.batches == 0
@@ -169,7 +171,7 @@ async def test_publish_does_not_wait_for_a_stuck_worker() -> None:
         await eventually(lambda: len(ids(out)) == 100)
         assert stuck.health().state == "unavailable"
         assert "intake not drained" in (stuck.health().reason or "")
-        assert dropped(metrics, "stdout", "intake_full") == stuck.dropped_records > 0
+        assert dropped(metrics, "stdout", "intake_full") == stuck.describe()["dropped_records"] > 0
     finally:
         alive.close_intake()
         await asyncio.wait_for(task, 5)

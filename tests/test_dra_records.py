@@ -12,7 +12,7 @@ import pytest
 
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
-from gpuid_agent.records.serialize import allocation_from_wire
+from gpuid_agent.records.serialize import allocation_from_wire, from_wire, to_wire
 from gpuid_agent.state.attribution import Allocation, Attribution, Claim, Holder
 from tests.servers.postgres import PostgresCluster
 from tests.test_records_wire import T0, _inventory
@@ -47,8 +47,9 @@ def dra_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     inv = _inventory()
     out = trail.owed(Attribution("current", (a, b, mig, plugin)), inv)
     out += trail.owed(Attribution("current", (b, mig, plugin)), inv)
-    dra = [r for r in out if r["resource_name"] == "gpu.nvidia.com"]
-    return dra, [r for r in out if r["resource_name"] != "gpu.nvidia.com"]
+    wire = [to_wire(r) for r in out]
+    dra = [r for r in wire if r["resource_name"] == "gpu.nvidia.com"]
+    return dra, [r for r in wire if r["resource_name"] != "gpu.nvidia.com"]
 
 
 def _fields(a: Allocation) -> dict[str, Any]:
@@ -111,7 +112,7 @@ async def test_claims_land_in_postgres_and_old_tables_migrate(
     )
     dra, plugin = dra_records()
     try:
-        await exporter.export(dra + plugin)
+        await exporter.export([from_wire(r) for r in dra + plugin])
     finally:
         await exporter.close()
     rows = {

@@ -19,7 +19,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import readings
+from tests.exporter_support import readings, wire_id
 from tests.servers.receiver import Receiver, Reply
 from tests.servers.tls import make_ca_and_server
 from tests.waiting import eventually
@@ -54,12 +54,12 @@ async def test_posts_gpuid_shaped_json_with_headers(make: Factory, receiver: Rec
     assert got.headers["Authorization"] == "Bearer tok-123"
     assert got.headers["X-Records-Count"] == "4"
     assert len(got.headers["Idempotency-Key"]) == 32
-    assert [r["record_id"] for r in got.records] == [r["record_id"] for r in batch]
+    assert [r["record_id"] for r in got.records] == [wire_id(r) for r in batch]
     first = got.records[0]
     # gpuid's body fields (its receivers read `time`), plus ours
     for field in ("cluster", "node", "machine", "source", "chassis", "gpu", "time", "uuid"):
         assert field in first
-    assert first["time"] == first["read_time"] == batch[0]["read_time"]
+    assert first["time"] == first["read_time"] == batch[0].read_time
 
 
 async def test_gzip_body(make: Factory, receiver: Receiver) -> None:

@@ -22,7 +22,7 @@ from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.log import JsonFormatter
 from gpuid_agent.runtime.metrics import AgentMetrics
 from tests.conftest import settings
-from tests.exporter_support import readings
+from tests.exporter_support import readings, wire_id
 from tests.servers.receiver import Received, Receiver, Reply
 from tests.waiting import eventually
 
@@ -118,20 +118,22 @@ async def test_401_then_200_holds_every_batch_and_delivers_all(
     try:
         for record in sent:
             await worker.put(record)
-        await eventually(lambda: worker.store.batches == 5 and worker.consecutive_failures >= 4)
+        await eventually(
+            lambda: worker.store.batches == 5 and worker.describe()["consecutive_failures"] >= 4
+        )
         health = worker.health()
         assert health.state == "degraded"
         assert health.reason is not None and health.reason.startswith("authentication")
         described = json.dumps(worker.describe())
         refuse["on"] = False  # the operator fixed the credentials
-        await eventually(lambda: receiver.accepted_ids() >= {r["record_id"] for r in sent})
+        await eventually(lambda: receiver.accepted_ids() >= {wire_id(r) for r in sent})
         worker.close_intake()
         await asyncio.wait_for(task, 10)
     finally:
         if not task.done():
             task.cancel()
         await exporter.close()
-    assert worker.set_aside_batches == 0 and worker.dropped_records == 0
+    assert worker.describe()["set_aside_batches"] == 0 and worker.describe()["dropped_records"] == 0
     assert not list((tmp_path / "http").rglob("rejected/*"))
     assert worker.health().state == "ok"
     refused = [r for r in receiver.requests if r.status == 401]
@@ -163,7 +165,7 @@ async def test_agent_status_and_logs_never_show_the_endpoints_credentials(
     await agent.start()
     try:
         (worker,) = agent.pipeline.workers
-        await eventually(lambda: worker.consecutive_failures >= 2)
+        await eventually(lambda: worker.describe()["consecutive_failures"] >= 2)
         async with aiohttp.ClientSession() as http:
             base = f"http://127.0.0.1:{agent.bound_port}"
             async with http.get(f"{base}/status") as response:

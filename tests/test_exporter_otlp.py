@@ -22,7 +22,7 @@ from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters
-from tests.exporter_support import readings
+from tests.exporter_support import readings, wire_id
 from tests.servers.otlp import Answer, OtlpReceiver
 from tests.servers.tls import make_ca_and_server
 from tests.waiting import eventually
@@ -33,7 +33,7 @@ FAST = BatchPolicy(
 )
 
 
-def allocation(event: str = "start", **kw: Any) -> dict[str, Any]:
+def allocation(event: str = "start", **kw: Any) -> AllocationRecord:
     fields: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "kind": "allocation",
@@ -69,32 +69,30 @@ def allocation(event: str = "start", **kw: Any) -> dict[str, Any]:
         "end_observed": None if event == "start" else True,
     }
     fields.update(kw)
-    return to_wire(AllocationRecord(**fields))
+    return AllocationRecord(**fields)
 
 
-def health(state: str = "unhealthy") -> dict[str, Any]:
-    return to_wire(
-        HealthRecord(
-            schema_version=SCHEMA_VERSION,
-            kind="health",
-            cluster="c1",
-            node="n1",
-            machine="m1",
-            source="test/agent",
-            chassis="CH-1",
-            gpu="SN-B",
-            read_time="2025-03-01T12:30:00.000Z",
-            uuid="GPU-n1-2",
-            index=2,
-            check="xid",
-            state=state,
-            previous_state="healthy",
-            action="reboot",
-            reason="XID 79",
-            since="2025-03-01T12:30:00.000Z",
-            gpu_state="unhealthy",
-            machine_source="machine_id",
-        )
+def health(state: str = "unhealthy") -> HealthRecord:
+    return HealthRecord(
+        schema_version=SCHEMA_VERSION,
+        kind="health",
+        cluster="c1",
+        node="n1",
+        machine="m1",
+        source="test/agent",
+        chassis="CH-1",
+        gpu="SN-B",
+        read_time="2025-03-01T12:30:00.000Z",
+        uuid="GPU-n1-2",
+        index=2,
+        check="xid",
+        state=state,
+        previous_state="healthy",
+        action="reboot",
+        reason="XID 79",
+        since="2025-03-01T12:30:00.000Z",
+        gpu_state="unhealthy",
+        machine_source="machine_id",
     )
 
 
@@ -126,11 +124,9 @@ async def test_records_arrive_as_decoded_log_records(
     assert got.headers["Content-Type"] == "application/x-protobuf"
     assert got.headers["Content-Encoding"] == "gzip"
     assert got.headers["User-Agent"] == f"gpuid-agent/{__version__}"
-    assert [log.attributes["gpuid.record.id"] for log in got.logs] == [
-        r["record_id"] for r in batch
-    ]
+    assert [log.attributes["gpuid.record.id"] for log in got.logs] == [wire_id(r) for r in batch]
     for log, record in zip(got.logs, batch, strict=True):
-        assert log.record == record  # the body is the whole record
+        assert log.record == to_wire(record)  # the body is the whole record
         assert log.resource == {
             "service.name": "gpuid-agent",
             "service.version": __version__,
@@ -140,9 +136,9 @@ async def test_records_arrive_as_decoded_log_records(
             "host.id": "m1",
         }
         assert log.scope == ("gpuid_agent", __version__)
-        assert log.time_unix_nano == nanos(record["read_time"]) == log.observed_time_unix_nano
-        assert log.event_name == f"gpuid.{record['kind']}"
-        assert log.attributes["gpuid.record.kind"] == record["kind"]
+        assert log.time_unix_nano == nanos(record.read_time) == log.observed_time_unix_nano
+        assert log.event_name == f"gpuid.{record.kind}"
+        assert log.attributes["gpuid.record.kind"] == record.kind
     reading, start, end, check = got.logs[0], got.logs[4], got.logs[5], got.logs[6]
     assert (
         reading.attributes.items()
@@ -238,7 +234,7 @@ async def test_connection_refused_and_timeout_are_retryable(
 async def test_400_sets_the_batch_aside_and_delivery_goes_on(
     make: Factory, otlp_receiver: OtlpReceiver, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    poisoned = readings(1)[0]["record_id"]
+    poisoned = wire_id(readings(1)[0])
     otlp_receiver.decide = lambda req: (
         Answer(400, message="log record 0: bad attribute") if poisoned in req.record_ids else None
     )
@@ -284,7 +280,7 @@ async def test_partial_success_is_counted_and_logged_once_per_batch(
         )
         == 4
     )
-    assert worker.delivered_records == 12  # declined records are not re-sent
+    assert worker.describe()["delivered_records"] == 12  # declined records are not re-sent
     assert len(otlp_receiver.requests) == 3
     logged = [r for r in caplog.records if "declined" in r.getMessage()]
     assert [(r.rejected, r.records) for r in logged] == [(3, 4), (1, 4)]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.pipeline import BatchPolicy, Pipeline, build_pipeline
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import readings
+from tests.exporter_support import readings, wire_id
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
 from tests.waiting import eventually
@@ -82,11 +82,13 @@ async def test_dead_sink_blocks_neither_producer_nor_other_exporters(
     )
     records = readings(50)
     await asyncio.wait_for(pipeline.publish(records), 10)
-    ids = {r["record_id"] for r in records}
+    ids = {wire_id(r) for r in records}
     await eventually(lambda: receiver.accepted_ids() == ids)
     await eventually(lambda: len(out.getvalue().splitlines()) == 200)
     postgres = pipeline.workers[0]
-    await eventually(lambda: postgres.store.records == 200 and postgres.consecutive_failures > 0)
+    await eventually(
+        lambda: postgres.store.records == 200 and postgres.describe()["consecutive_failures"] > 0
+    )
     assert {p.name for p in tmp_path.iterdir()} == {"postgres", "http", "stdout"}
     healths = pipeline.health()
     assert healths["postgres"].state == "degraded"
@@ -124,7 +126,7 @@ async def test_memory_only_sink_drops_oldest_instead_of_blocking(
     assert "running memory-only" in caplog.text
     await asyncio.wait_for(pipeline.publish(readings(25)), 10)
     (worker,) = pipeline.workers
-    await eventually(lambda: worker.dropped_records >= 80)
+    await eventually(lambda: worker.describe()["dropped_records"] >= 80)
     assert worker.store.records <= 8 + 4  # the bound, plus the batch in flight
     dropped = {
         reason: sample(
@@ -132,7 +134,7 @@ async def test_memory_only_sink_drops_oldest_instead_of_blocking(
         )
         for reason in ("buffer_full", "intake_full")
     }
-    assert sum(dropped.values()) == worker.dropped_records >= 80
+    assert sum(dropped.values()) == worker.describe()["dropped_records"] >= 80
     assert dropped["buffer_full"] > 0
     healths = pipeline.health()
     assert healths["http"].state == "unavailable"
@@ -159,7 +161,9 @@ async def test_every_sink_down_then_back_loses_nothing(
             batch = readings(3, node=f"n{i}")
             records += batch
             await pipeline.publish(batch)
-        await eventually(lambda: all(w.consecutive_failures >= 2 for w in pipeline.workers))
+        await eventually(
+            lambda: all(w.describe()["consecutive_failures"] >= 2 for w in pipeline.workers)
+        )
         healths = pipeline.health()
         assert {h.state for h in healths.values()} == {"degraded"}
     finally:
@@ -167,11 +171,9 @@ async def test_every_sink_down_then_back_loses_nothing(
     receiver.default = Reply(200)
     await pipeline.publish(readings(1, node="after"))
     records += readings(1, node="after")
-    ids = {r["record_id"] for r in records}
+    ids = {wire_id(r) for r in records}
     await eventually(
-        lambda: (
-            ids - {r["record_id"] for r in readings(1, node="before")} <= receiver.accepted_ids()
-        )
+        lambda: ids - {wire_id(r) for r in readings(1, node="before")} <= receiver.accepted_ids()
     )
     conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
     try:
@@ -198,7 +200,9 @@ async def test_shutdown_keeps_undelivered_batches_in_the_spool(
     (worker,) = pipeline.workers
     task = asyncio.create_task(worker.run())
     await pipeline.publish(readings(3))
-    await eventually(lambda: worker.store.batches == 3 and worker.consecutive_failures > 0)
+    await eventually(
+        lambda: worker.store.batches == 3 and worker.describe()["consecutive_failures"] > 0
+    )
     worker.close_intake()
     await asyncio.wait_for(task, 10)
     await worker.exporter.close()
@@ -273,7 +277,9 @@ async def test_agent_readiness_and_status_with_a_down_exporter(
     await agent.start()
     try:
         (worker,) = agent.pipeline.workers
-        await eventually(lambda: worker.store.batches >= 2 and worker.consecutive_failures > 0)
+        await eventually(
+            lambda: worker.store.batches >= 2 and worker.describe()["consecutive_failures"] > 0
+        )
         async with aiohttp.ClientSession() as http:
             base = f"http://127.0.0.1:{agent.bound_port}"
             async with http.get(f"{base}/readyz") as response:

@@ -4,22 +4,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.delivery.exporters.postgres.rows import reading_row
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import BASE_TIME, allocation, readings, spool_files
+from tests.exporter_support import (
+    BASE_TIME,
+    allocation,
+    health,
+    readings,
+    spool_files,
+    wire_id,
+)
+from tests.record_strategies import RECORDS
 from tests.servers.postgres import PostgresCluster
 from tests.waiting import eventually
 
@@ -105,7 +115,7 @@ async def test_same_batch_twice_stores_each_record_once(
     table = f"{pg_schema}.gpu_readings"
     assert await count(db, table) == 16
     assert await db.fetchval(f"SELECT count(DISTINCT record_id) FROM {table}") == 16
-    row = await db.fetchrow(f"SELECT * FROM {table} WHERE record_id = $1", batch[0]["record_id"])
+    row = await db.fetchrow(f"SELECT * FROM {table} WHERE record_id = $1", wire_id(batch[0]))
     assert (row["cluster"], row["node"], row["machine"], row["gpu"], row["chassis"]) == (
         "c1",
         "n1",
@@ -114,7 +124,7 @@ async def test_same_batch_twice_stores_each_record_once(
         "CH-1",
     )
     assert row["read_time"] == BASE_TIME
-    assert row["uuid"] == batch[0]["uuid"]
+    assert row["uuid"] == batch[0].uuid
     assert row["gpu_index"] == 0
 
 
@@ -173,7 +183,7 @@ async def test_allocation_end_updates_its_row(
     row = await db.fetchrow(f"SELECT * FROM {table} WHERE pod = 'p1'")
     assert row["started_at"] == BASE_TIME
     assert row["ended_at"] == BASE_TIME + timedelta(hours=2)
-    assert (row["start_record_id"], row["end_record_id"]) == (start["record_id"], end["record_id"])
+    assert (row["start_record_id"], row["end_record_id"]) == (start.record_id, end.record_id)
     assert (row["namespace"], row["workload_kind"], row["workload_name"]) == (
         "ml",
         "Deployment",
@@ -201,85 +211,39 @@ async def test_allocation_start_and_end_in_one_batch(
 async def test_other_kinds_go_to_events(
     make: Factory, db: asyncpg.Connection, pg_schema: str
 ) -> None:
-    health = {
-        "schema_version": 1,
-        "kind": "health",
-        "record_id": "h-1",
-        "cluster": "c1",
-        "node": "n1",
-        "machine": "m1",
-        "uuid": "GPU-n1-0",
-        "xid": 79,
-        "observed_at": "2025-03-01T12:00:00.000Z",
-    }
-    bad_reading = {**readings(1)[0], "read_time": "not a time", "record_id": "r-bad"}
+    check = health()
+    bad_reading = replace(readings(1)[0], read_time="not a time")
     exporter = make()
-    await exporter.export([health, bad_reading])
-    await exporter.export([health])
+    await exporter.export([check, bad_reading])
+    await exporter.export([check])
     rows = await db.fetch(
         f"SELECT kind, payload, observed_at FROM {pg_schema}.gpu_events ORDER BY kind"
     )
     assert [r["kind"] for r in rows] == ["health", "reading"]
-    assert '"xid": 79' in rows[0]["payload"]
+    assert '"reason": "XID 79"' in rows[0]["payload"]
     assert rows[0]["observed_at"] == BASE_TIME
     assert '"not a time"' in rows[1]["payload"]  # nothing lost, even what a column cannot hold
-
-
-hostile_text = st.text(
-    alphabet=st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=400
-)
-hostile_value = st.one_of(
-    st.none(),
-    st.booleans(),
-    hostile_text,
-    st.integers(),
-    st.floats(allow_nan=True),
-    st.lists(hostile_text, max_size=3),
-)
 
 
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(
-    st.dictionaries(
-        st.sampled_from(
-            [
-                "cluster",
-                "node",
-                "machine",
-                "source",
-                "chassis",
-                "gpu",
-                "uuid",
-                "index",
-                "module_id",
-                "model",
-                "mig_devices",
-                "schema_version",
-                "read_time",
-                "weird\x00key",
-                "extra",
-            ]
-        ),
-        hostile_value,
-        max_size=10,
-    ),
-    hostile_text,
-)
+@given(RECORDS)
 async def test_hostile_records_are_stored_not_refused(
-    make: Factory, db: asyncpg.Connection, pg_schema: str, fields: dict[str, Any], rid: str
+    make: Factory, db: asyncpg.Connection, pg_schema: str, record: AnyRecord
 ) -> None:
-    record = {**readings(1)[0], **fields, "record_id": rid or "x"}
-    kind = "reading" if reading_row(record) is not None else "event"
     exporter = make()
     try:
         await exporter.export([record])
     finally:
         await exporter.close()
-    table = f"{pg_schema}.gpu_readings" if kind == "reading" else f"{pg_schema}.gpu_events"
-    stored = await db.fetchval(f"SELECT count(*) FROM {table} WHERE record_id IS NOT NULL")
-    assert stored >= 1
+    if record.kind == "allocation":
+        table = "gpu_allocations"
+    elif record.kind == "reading" and reading_row(to_wire(record)) is not None:
+        table = "gpu_readings"
+    else:
+        table = "gpu_events"
+    assert await db.fetchval(f"SELECT count(*) FROM {pg_schema}.{table}") >= 1
 
 
 async def test_wrong_password_is_retryable_and_secret(

@@ -19,7 +19,7 @@ from gpuid_agent.runtime.config import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters
-from tests.exporter_support import readings
+from tests.exporter_support import readings, wire_id
 from tests.servers.postgres import PostgresCluster
 from tests.waiting import eventually
 
@@ -125,7 +125,7 @@ async def test_server_restart_reconnects_and_loses_nothing(
             sent += batch
             for record in batch:
                 await worker.put(record)
-        await eventually(lambda: worker.delivered_records == len(sent), within=20)
+        await eventually(lambda: worker.describe()["delivered_records"] == len(sent), within=20)
         await asyncio.to_thread(postgres.stop_server, "fast")  # the held connection dies
         try:
             for i in range(5):
@@ -133,12 +133,12 @@ async def test_server_restart_reconnects_and_loses_nothing(
                 sent += batch
                 for record in batch:
                     await worker.put(record)
-            await eventually(lambda: worker.consecutive_failures > 0, within=20)
+            await eventually(lambda: worker.describe()["consecutive_failures"] > 0, within=20)
             assert not worker.health().ok
             assert spool.records > 0  # held on disk meanwhile
         finally:
             await asyncio.to_thread(postgres.start_server)
-        await eventually(lambda: worker.delivered_records == len(sent), within=30)
+        await eventually(lambda: worker.describe()["delivered_records"] == len(sent), within=30)
     finally:
         worker.close_intake()
         await asyncio.wait_for(task, 20)
@@ -148,7 +148,7 @@ async def test_server_restart_reconnects_and_loses_nothing(
         stored = await db.fetch(f"SELECT record_id FROM {table}")
     finally:
         await db.close()
-    assert sorted(r[0] for r in stored) == sorted(r["record_id"] for r in sent)
+    assert sorted(r[0] for r in stored) == sorted(wire_id(r) for r in sent)
     assert worker.health().ok
     assert spool.records == 0
 

@@ -66,7 +66,7 @@ async def test_rows_gpuid_unique_drops_are_counted_logged_once_and_fixable(
         # A GB200 node: four dies, two serials (readings() default), same read_time.
         caplog.set_level(logging.INFO)
         outcome = await worker.deliver(readings(1))
-        assert outcome.value == "delivered", worker.last_error
+        assert outcome.value == "delivered", worker.describe()["last_error"]
         assert await db.fetchval("SELECT count(*) FROM gpu_readings") == 2
         assert discarded(metrics) == 2
         second = readings(1, read_time=BASE_TIME.replace(minute=5))

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 
 import asyncpg
 import pytest
 
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables, stored_payload
-from tests.exporter_support import allocation, readings
+from gpuid_agent.records.types import AllocationRecord
+from tests.exporter_support import allocation, health, readings
 from tests.servers.pgbouncer import PgBouncer, ensure_installed
 from tests.servers.postgres import PostgresCluster
 
@@ -56,7 +58,7 @@ async def test_transaction_pooling_delivers_every_path_once(
         name = f"b{i}"
         start = allocation(pod=f"p{i}", node=name, uuid=f"GPU-{name}-0")
         first = readings(2, node=name)
-        await exporter.export([*first, start, {"kind": "health", "node": name, "xid": 79}])
+        await exporter.export([*first, start, health(node=name)])
         await exporter.export(first[:3])  # a re-send: refused COPY, probe, nothing twice
         spooled = [stored_payload(readings(1, node=f"{name}-late")) for _ in range(3)]
         await exporter.export_stored(spooled, BatchMeta.new())  # one coalesced delivery
@@ -89,8 +91,6 @@ async def test_transaction_pooling_delivers_every_path_once(
         await db.close()
 
 
-def start_time(record: dict[str, object]) -> object:
-    from datetime import datetime, timedelta
-
-    started = datetime.fromisoformat(str(record["started_at"]).replace("Z", "+00:00"))
+def start_time(record: AllocationRecord) -> datetime:
+    started = datetime.fromisoformat(record.started_at.replace("Z", "+00:00"))
     return started + timedelta(minutes=5)

@@ -30,9 +30,11 @@ from gpuid_agent.delivery.exporters.s3 import (
 )
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
-from tests.exporter_support import allocation, readings
+from tests.exporter_support import allocation, health, readings, wire_id
+from tests.record_strategies import RECORDS
 from tests.servers.s3 import MotoServer
 from tests.waiting import eventually
 
@@ -90,8 +92,8 @@ async def test_csv_object_with_gpuid_columns(
     rows = list(csv.reader(io.StringIO(body.decode())))
     assert tuple(rows[0][:7]) == ("cluster", "node", "machine", "source", "chassis", "gpu", "time")
     assert len(rows) == 9
-    assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0]["read_time"]]
-    assert rows[1][CSV_COLUMNS.index("record_id")] == batch[0]["record_id"]
+    assert rows[1][:7] == ["c1", "n1", "m1", "test/agent", "CH-1", "SN-A", batch[0].read_time]
+    assert rows[1][CSV_COLUMNS.index("record_id")] == wire_id(batch[0])
     assert metadata == {
         "source": "gpuid-agent",
         "record_count": "8",
@@ -127,8 +129,7 @@ async def test_ndjson_gzip_and_no_header(
 async def test_each_kind_under_its_own_prefix(
     make: Factory, moto_server: MotoServer, s3_bucket: str
 ) -> None:
-    health = {**readings(1)[0], "kind": "health", "check": "xid", "state": "degraded"}
-    batch = [*readings(1), allocation(pod="p1"), allocation(pod="p2", node="n2"), health]
+    batch = [*readings(1), allocation(pod="p1"), allocation(pod="p2", node="n2"), health()]
     await make().export(batch, BatchMeta.new())
     stored = objects(moto_server, s3_bucket)
     found = {}
@@ -181,7 +182,9 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
     try:
         for record in batch:
             await worker.put(record)
-        await eventually(lambda: worker.consecutive_failures >= 2 and spool.batches == 5)
+        await eventually(
+            lambda: worker.describe()["consecutive_failures"] >= 2 and spool.batches == 5
+        )
         assert not (worker.health()).ok
         assert (worker.health()).state == "degraded"
         await asyncio.to_thread(server.start)
@@ -195,7 +198,7 @@ async def test_outage_then_back_delivers_everything(tmp_path: Path) -> None:
             for body, _ in stored.values()
             for line in body.splitlines()
         ]
-        assert sorted(ids) == sorted(r["record_id"] for r in batch)
+        assert sorted(ids) == sorted(wire_id(r) for r in batch)
         assert (await exporter.health()).ok
     finally:
         worker.close_intake()
@@ -235,22 +238,13 @@ def test_hive_values_decode_to_the_value(value: str) -> None:
         assert urllib.parse.unquote_to_bytes(encoded) == raw
 
 
-_hostile = st.one_of(
-    st.text(max_size=40), st.none(), st.integers(), st.sampled_from(["", ".", ".."])
-)
-
-
 @given(
-    st.lists(
-        st.fixed_dictionaries({"kind": _hostile, "cluster": _hostile, "node": _hostile}),
-        min_size=1,
-        max_size=12,
-    ),
+    st.lists(RECORDS, min_size=1, max_size=12),
     st.sampled_from(["", "gpuid", "a//b/", "../x"]),
     st.booleans(),
 )
 def test_every_record_lands_in_one_well_formed_key(
-    batch: list[dict[str, Any]], prefix: str, ndjson: bool
+    batch: list[AnyRecord], prefix: str, ndjson: bool
 ) -> None:
     layout = Layout(prefix=prefix, fmt="ndjson" if ndjson else "csv")
     made = layout.objects(batch, BatchMeta.new())

@@ -18,6 +18,8 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch, hardware_record
 from gpuid_agent.records.runner import run_emitter
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.gpu_slots import GpuSlots, changes
@@ -88,12 +90,12 @@ def test_a_serial_that_did_not_read_is_no_removal() -> None:
     swapped = _inventory(("0000:18:00.0", "S1"), ("0000:2a:00.0", "S3"))
     [change] = slots.update(swapped)
     assert change == ("replaced", "0000:2a:00.0", "S2", "S3")
-    record = hardware_record(swapped, change, cluster="c", source="t")
+    record = to_wire(hardware_record(swapped, change, cluster="c", source="t"))
     assert (record["event"], record["old_serial"], record["new_serial"]) == ("replaced", "S2", "S3")
     assert record["pci_bus_id"] == "0000:2a:00.0" and record["uuid"] == "GPU-1-S3"
 
 
-async def _never(records: list[dict[str, Any]]) -> None:
+async def _never(records: list[AnyRecord]) -> None:
     await asyncio.Event().wait()
 
 
@@ -110,9 +112,9 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     task.cancel()  # killed while the exporters still held nothing
     [owed] = orjson.loads(state.read_bytes())["pending"]
     assert (owed["old_serial"], owed["new_serial"]) == ("S1", "S2")
-    published: list[dict[str, Any]] = []
+    published: list[AnyRecord] = []
 
-    async def publish(records: list[dict[str, Any]]) -> None:
+    async def publish(records: list[AnyRecord]) -> None:
         published.extend(records)
 
     bus = SnapshotBus()
@@ -124,7 +126,7 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     bus.publish(snapshot(3, _inventory(("0000:18:00.0", "S2"))))  # the same slot: nothing new
     bus.close()
     await runner
-    assert published == [owed]
+    assert [to_wire(r) for r in published] == [owed]
     third = GpuSlots(str(tmp_path))
     assert third.pending == [] and third.serials == {"0000:18:00.0": "S2"}
 

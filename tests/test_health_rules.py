@@ -562,6 +562,7 @@ def test_fault_specs() -> None:
 def test_health_records_have_the_reading_envelope_and_a_stable_id() -> None:
     from gpuid_agent.facts import PlatformInfo
     from gpuid_agent.records.health import health_records
+    from gpuid_agent.records.serialize import to_wire
     from gpuid_agent.state.inventory import build_inventory
 
     clock = Clock()
@@ -581,8 +582,8 @@ def test_health_records_have_the_reading_envelope_and_a_stable_id() -> None:
     tracker.observe(gpus, {0: _signals(0)}, {})
     clock.t += 1
     transitions = tracker.observe(gpus, {0: _signals(0, persistence_mode=0)}, {}, expected_gpus=2)
-    first = health_records(transitions, inventory, source="ns/pod")
-    again = health_records(transitions, inventory, source="ns/pod")
+    first = [to_wire(r) for r in health_records(transitions, inventory, source="ns/pod")]
+    again = [to_wire(r) for r in health_records(transitions, inventory, source="ns/pod")]
     assert first == again and len({r["record_id"] for r in first}) == 2
     gpu = next(r for r in first if r["check"] == "persistence")
     node = next(r for r in first if r["check"] == "gpu_count")

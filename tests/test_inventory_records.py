@@ -2,9 +2,13 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from typing import Any
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
-from gpuid_agent.records.readings import ReadingEmitter, Record, reading_records, record_id
+from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.records.readings import reading_records as typed_readings
+from gpuid_agent.records.serialize import Wire, from_wire, to_wire
+from gpuid_agent.records.types import ReadingRecord
 from gpuid_agent.simulate.profiles import gb200x4, h100x8
 from gpuid_agent.state.inventory import build_inventory, diff
 from tests.test_records_bus import snapshot
@@ -72,6 +76,11 @@ def test_chassis_change_is_a_change() -> None:
     assert all(c.fields == ("platform",) for c in changes)
 
 
+def reading_records(*args: Any, **kw: Any) -> list[Wire]:
+    """The readings as sinks receive them."""
+    return [to_wire(r) for r in typed_readings(*args, **kw)]
+
+
 def test_gb200_records_one_per_gpu_with_shared_serial() -> None:
     records = reading_records(_inventory(), source="ns/pod", reason="startup")
     assert len(records) == 4
@@ -110,7 +119,7 @@ def test_record_ids_are_deterministic_and_content_addressed() -> None:
         _inventory(read_time=T0.replace(second=6)), source="s", reason="heartbeat"
     )
     assert not {r["record_id"] for r in a} & {r["record_id"] for r in later}
-    assert all(record_id(r) == r["record_id"] for r in a)
+    assert all(to_wire(from_wire(r))["record_id"] == r["record_id"] for r in a)
 
 
 def test_h100_has_no_chassis() -> None:
@@ -130,11 +139,11 @@ class _Clock:
 async def test_emitter_emits_on_start_change_and_heartbeat_only() -> None:
     """Through the protocol `run_emitter` drives (test_records_bus runs it on a bus): each
     snapshot noted and flushed in turn, so none is coalesced away."""
-    published: list[list[Record]] = []
+    published: list[list[Wire]] = []
     clock = _Clock()
 
-    async def publish(records: list[Record]) -> None:
-        published.append(records)
+    async def publish(records: list[ReadingRecord]) -> None:
+        published.append([to_wire(r) for r in records])
 
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=publish, clock=clock)
     inv = _inventory()

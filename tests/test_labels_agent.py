@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.records.types import AnyRecord
 from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
 from tests.waiting import eventually
@@ -25,9 +26,9 @@ class Collect(Exporter):
     name = "collect"
 
     def __init__(self) -> None:
-        self.records: list[Record] = []
+        self.records: list[AnyRecord] = []
 
-    async def export(self, batch: Sequence[Record]) -> None:
+    async def export(self, batch: Sequence[AnyRecord]) -> None:
         self.records.extend(batch)
 
 
@@ -74,8 +75,8 @@ async def test_agent_labels_its_node_and_takes_machine_from_provider_id(kube: Fa
         assert agent.identity.machine == "i-0123456789abcdef0"
         await eventually(lambda: len(sink.records) >= 4)
         await eventually(lambda: agent.board.is_ok("labels"))  # the PATCH answer is in
-        assert {r["machine"] for r in sink.records} == {"i-0123456789abcdef0"}
-        assert {r["machine_source"] for r in sink.records} == {"provider_id:aws"}
+        assert {r.machine for r in sink.records} == {"i-0123456789abcdef0"}
+        assert {r.machine_source for r in sink.records} == {"provider_id:aws"}
         status = await _get_json(agent, "/status")
         assert status["machine"] == {"id": "i-0123456789abcdef0", "source": "provider_id:aws"}
         assert status["components"]["labels"]["state"] == "ok"
@@ -110,15 +111,15 @@ async def test_machine_switches_to_provider_id_when_the_api_comes_up(
     try:
         async with running_agent(Agent(s, exporters=[sink])) as agent:
             await eventually(lambda: len(sink.records) >= 4)
-            assert {r["machine"] for r in sink.records} == {"sim-node-a"}
+            assert {r.machine for r in sink.records} == {"sim-node-a"}
             assert agent.board.get("labels").state == "degraded"  # type: ignore[union-attr]
             await kube.start()
             kube.add_node(NODE, provider_id=AWS)
             await eventually(lambda: f"{P}/chassis" in kube.node_labels(NODE))
             await eventually(lambda: len(sink.records) >= 8)
             changed = sink.records[4:8]
-            assert {r["machine"] for r in changed} == {"i-0123456789abcdef0"}
-            assert {r["reason"] for r in changed} == {"change"}
+            assert {r.machine for r in changed} == {"i-0123456789abcdef0"}
+            assert {r.reason for r in changed} == {"change"}
     finally:
         await kube.stop()
 

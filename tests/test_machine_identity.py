@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuid_agent.facts import NodeInventory, PlatformInfo
-from gpuid_agent.records.readings import ReadingEmitter, Record
+from gpuid_agent.records.readings import ReadingEmitter
+from gpuid_agent.records.serialize import Wire, to_wire
+from gpuid_agent.records.types import ReadingRecord
 from gpuid_agent.sources.kube.provider_id import machine_from_provider_id
 from gpuid_agent.sources.machine import resolve_machine
 from gpuid_agent.state.inventory import diff
@@ -136,12 +138,12 @@ async def test_chassis_change_for_a_serial_is_an_inventory_change() -> None:
     assert {r["change"] for r in records} == {"changed"}
 
 
-async def _records_after(before: NodeInventory, after: NodeInventory) -> list[Record]:
-    """The reading records `after` owes once `before` was emitted."""
-    published: list[list[Record]] = []
+async def _records_after(before: NodeInventory, after: NodeInventory) -> list[Wire]:
+    """The reading records `after` owes once `before` was emitted, in their wire form."""
+    published: list[list[Wire]] = []
 
-    async def publish(records: list[Record]) -> None:
-        published.append(records)
+    async def publish(records: list[ReadingRecord]) -> None:
+        published.append([to_wire(r) for r in records])
 
     emitter = ReadingEmitter(source="s", heartbeat_interval=3600, publish=publish)
     for seq, inv in enumerate((before, after)):

@@ -49,7 +49,7 @@ def drop_reasons_in_code() -> set[str]:
     for node in _calls(PACKAGE / "delivery"):
         if isinstance(node, ast.Call):
             name, args = _name(node.func), node.args
-            if name == "_count_dropped" and len(args) > 1:
+            if name == "count_dropped" and len(args) > 1:
                 found.add(_const(args[1]) or "?")
             elif name == "trim_memory" and len(args) > 4:
                 found.add(_const(args[4]) or "?")

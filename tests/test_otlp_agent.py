@@ -45,7 +45,9 @@ async def test_spooled_records_reach_the_receiver_once_it_is_up(tmp_path: Path) 
     await agent.start()
     try:
         (worker,) = agent.pipeline.workers
-        await eventually(lambda: worker.store.batches >= 3 and worker.consecutive_failures >= 2)
+        await eventually(
+            lambda: worker.store.batches >= 3 and worker.describe()["consecutive_failures"] >= 2
+        )
         spooled = list((tmp_path / "spool" / "otlp").glob("*.ndjson"))
         assert len(spooled) >= 3  # on disk, not only in memory
         await receiver.start(port)

@@ -6,60 +6,37 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from hypothesis import given
-from hypothesis import strategies as st
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 
 from gpuid_agent.delivery.exporters.otlp import OtlpExporter, attributes
-from tests.exporter_support import readings
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
+from tests.exporter_support import readings, wire_id
+from tests.record_strategies import RECORDS
 from tests.servers.otlp import flatten
 
-hostile_text = st.one_of(
-    st.text(st.characters(codec=None), max_size=30),
-    # lone surrogates (protobuf refuses them) next to ordinary text
-    st.tuples(st.text(max_size=5), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)).map(
-        "".join
-    ),
-)
-hostile_value = st.one_of(
-    st.none(),
-    hostile_text,
-    st.integers(),  # beyond int64 too
-    st.floats(),
-    st.booleans(),
-    st.lists(st.one_of(hostile_text, st.integers(-5, 5), st.none()), max_size=3),
-)
 
-
-@given(
-    fields=st.dictionaries(
-        st.sampled_from([*sorted(readings(1)[0]), "pod", "namespace", "mystery"]),
-        hostile_value,
-        max_size=8,
-    ),
-    kind=st.sampled_from(["reading", "allocation", "health", "future-kind", ""]),
-)
-def test_hostile_records_encode_and_decode(fields: dict[str, Any], kind: str) -> None:
-    record = {**readings(1)[0], **fields, "kind": kind}
+@given(record=RECORDS)
+def test_hostile_records_encode_and_decode(record: AnyRecord) -> None:
+    wire = to_wire(record)
     other = readings(1, node="n2")[1]
     body = OtlpExporter("http://127.0.0.1:1/v1/logs").body([record, other])
     request = ExportLogsServiceRequest()
     request.ParseFromString(gzip.decompress(body))
     mine, decoded = flatten(request)  # the receiver's decoding: unique keys, valid UTF-8
-    if (
-        record.get("node") == "n2"
-        and record.get("cluster") == "c1"
-        and record.get("machine") == "m1"
-    ):
+    if (wire["node"], wire["cluster"], wire["machine"]) == ("n2", "c1", "m1"):
         assert len(request.resource_logs) == 1  # same node: one resource
-    assert decoded.attributes["gpuid.record.id"] == other["record_id"]
+    assert decoded.attributes["gpuid.record.id"] == wire_id(other)
     assert decoded.resource["k8s.node.name"] == "n2"
-    assert set(json.loads(mine.body)) == set(record)  # the body keeps every field
-    assert mine.attributes.get("gpuid.record.kind", "") == kind
-    if not isinstance(record.get("read_time"), str):
+    assert set(json.loads(mine.body)) == set(wire)  # the body keeps every field
+    assert mine.attributes.get("gpuid.record.kind", "") == record.kind
+    try:
+        datetime.fromisoformat(record.read_time)
+    except ValueError:
         assert mine.time_unix_nano == 0  # unknown, as OTLP spells it
 
 

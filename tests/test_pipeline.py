@@ -4,29 +4,32 @@ import asyncio
 import io
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 import pytest
 
-from gpuid_agent.delivery.exporters.base import Exporter, Record
+from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.pipeline import (
     BatchPolicy,
     ExporterWorker,
     Outcome,
     Pipeline,
-    backoff_delay,
 )
+from gpuid_agent.records.types import AnyRecord, ReadingRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
+from gpuid_agent.runtime.retry import backoff_delay
+from tests.exporter_support import numbered
 from tests.waiting import eventually
 
 
-def _records(n: int) -> list[Record]:
-    return [{"kind": "reading", "record_id": f"r{i}", "payload": "x" * 200} for i in range(n)]
+def _records(n: int) -> list[ReadingRecord]:
+    return numbered(n, padding=200)
 
 
-def _lines(stream: io.BytesIO) -> list[Record]:
+def _lines(stream: io.BytesIO) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in stream.getvalue().splitlines()]
 
 
@@ -38,7 +41,7 @@ class _Rejecting(Exporter):
     def __init__(self) -> None:
         self.calls = 0
 
-    async def export(self, batch: Sequence[Record]) -> None:
+    async def export(self, batch: Sequence[AnyRecord]) -> None:
         self.calls += 1
         raise ExportError("400 bad request", error_type="http_400", retryable=False)
 
@@ -60,7 +63,7 @@ async def test_batches_by_size_then_by_flush_interval() -> None:
             == 3
         )
     )
-    assert [r["record_id"] for r in _lines(stream)] == [f"r{i}" for i in range(10)]
+    assert [r["uuid"] for r in _lines(stream)] == [f"r{i}" for i in range(10)]
     worker.close_intake()
     await asyncio.wait_for(task, 2)
 
@@ -99,7 +102,7 @@ async def test_slow_sink_applies_backpressure_and_memory_stays_bounded() -> None
     while received.count(b"\n") < 2000:
         received += await loop.run_in_executor(None, reader.read, 1 << 16)
     await asyncio.wait_for(producer, 5)
-    assert [orjson.loads(x)["record_id"] for x in received.splitlines()] == [
+    assert [orjson.loads(x)["uuid"] for x in received.splitlines()] == [
         f"r{i}" for i in range(2000)
     ]
     worker.close_intake()

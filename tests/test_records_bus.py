@@ -13,6 +13,8 @@ from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import HealthPublisher
 from gpuid_agent.records.readings import ReadingEmitter
 from gpuid_agent.records.runner import run_emitter
+from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.verdicts import CheckStatus, NodeHealth, Transition
@@ -44,8 +46,8 @@ def snapshot(
 
 
 def collector(out: Records) -> Any:
-    async def publish(records: Records) -> None:
-        out.extend(records)
+    async def publish(records: list[AnyRecord]) -> None:
+        out.extend(to_wire(r) for r in records)
 
     return publish
 
@@ -111,10 +113,10 @@ async def test_trail_owes_records_again_when_the_durable_hand_off_fails() -> Non
     out: Records = []
     failing = True
 
-    async def publish_durable(records: Records) -> None:
+    async def publish_durable(records: list[AnyRecord]) -> None:
         if failing:
             raise OSError("spool disk full")
-        out.extend(records)
+        out.extend(to_wire(r) for r in records)
 
     bus = SnapshotBus()
     trail = AllocationTrail(TrailIdentity("c1", "n1", "s"), publish_durable=publish_durable)

@@ -15,6 +15,7 @@ from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory, PlatformInf
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
+from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import (
     AllocationRecord,
     HardwareRecord,
@@ -51,7 +52,7 @@ def _inventory(read_time: datetime = T0, machine_source: str = "dmi") -> NodeInv
     return NodeInventory("n1", "c1", "m1", machine_source, "570.1", "12.8", gpus, read_time)
 
 
-def _readings() -> list[dict[str, Any]]:
+def _readings() -> list[ReadingRecord]:
     inv = _inventory()
     removed = GpuIdentity(index=7, uuid="GPU-7", serial="SN-Z", name="NVIDIA GB200")
     return reading_records(inv, source="test/agent", reason="startup") + reading_records(
@@ -59,7 +60,7 @@ def _readings() -> list[dict[str, Any]]:
     )
 
 
-def _allocations() -> list[dict[str, Any]]:
+def _allocations() -> list[AllocationRecord]:
     clock = iter([T0, T0, T0 + timedelta(seconds=5), T0 + timedelta(seconds=9)])
     trail = AllocationTrail(
         TrailIdentity("c1", "n1", "test/agent"),
@@ -80,11 +81,11 @@ def _allocations() -> list[dict[str, Any]]:
     return out
 
 
-async def _unused(records: list[dict[str, Any]]) -> None:
+async def _unused(records: list[AllocationRecord]) -> None:
     raise AssertionError("the wire test publishes nothing")
 
 
-def _health() -> list[dict[str, Any]]:
+def _health() -> list[HealthRecord]:
     inv = _inventory()
     prev = CheckStatus("healthy", None, "none", T0)
     cur = CheckStatus(
@@ -101,7 +102,11 @@ def _health() -> list[dict[str, Any]]:
 
 
 def current_wire() -> dict[str, list[dict[str, Any]]]:
-    return {"reading": _readings(), "allocation": _allocations(), "health": _health()}
+    return {
+        "reading": [to_wire(r) for r in _readings()],
+        "allocation": [to_wire(r) for r in _allocations()],
+        "health": [to_wire(r) for r in _health()],
+    }
 
 
 def test_wire_records_match_the_pinned_fixture() -> None:

@@ -208,3 +208,30 @@ def test_full_jitter_draws_below_half_the_ceiling() -> None:
     rand = random.Random(0)
     draws = [backoff_delay(0, 2.0, 2.0, rand) for _ in range(200)]
     assert min(draws) < 1.0 < max(draws)
+
+
+@given(
+    _BASES,
+    _CAPS,
+    st.integers(0, 80),
+    st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)),
+    st.integers(0, 2**32),
+)
+def test_backoff_and_backoff_delay_are_one_formula(
+    base: float, cap: float, failures: int, floor: float | None, seed: int
+) -> None:
+    # same draws from the same generator: the counting class adds no formula of its own
+    backoff = Backoff(base, cap, random.Random(seed))
+    backoff.failures = failures
+    expected = backoff_delay(failures, base, cap, random.Random(seed), floor=floor)
+    delay = backoff.next(floor=floor)
+    assert delay == expected or (math.isnan(delay) and math.isnan(expected))
+
+
+@given(_BASES, _CAPS, st.integers(0, 80), st.floats(min_value=0.0, max_value=1e9))
+def test_backoff_delay_raises_to_a_capped_floor(
+    base: float, cap: float, attempt: int, floor: float
+) -> None:
+    delay = backoff_delay(attempt, base, cap, floor=floor)
+    assert delay >= min(floor, RETRY_AFTER_CAP)
+    assert delay <= max(min(cap, base * 2.0 ** min(attempt, 62)), min(floor, RETRY_AFTER_CAP))

@@ -11,9 +11,11 @@ import io
 from datetime import datetime
 from pathlib import Path
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.s3 import S3Exporter, key_part, partition, to_csv, to_ndjson
 from gpuid_agent.delivery.exporters.s3.layout import stamp
+from gpuid_agent.records.serialize import Wire, to_wire
+from gpuid_agent.records.types import AnyRecord
 from tests.servers.s3 import MotoServer
 from tests.test_s3_queries import (
     D1,
@@ -30,11 +32,11 @@ from tests.test_s3_queries import (
 )
 
 
-def write_previous(root: Path, readings: list[Record], allocations: list[Record]) -> None:
+def write_previous(root: Path, readings: list[AnyRecord], allocations: list[AnyRecord]) -> None:
     """Keys and bodies as the previous versions named and wrote them (header on)."""
     meta = BatchMeta(BatchMeta.new().batch_id, DAY1)
-    groups: dict[tuple[str, str, str], list[Record]] = {}
-    for record in readings + allocations:
+    groups: dict[tuple[str, str, str], list[Wire]] = {}
+    for record in map(to_wire, readings + allocations):
         group = (str(record["cluster"]), str(record["node"]), str(record["kind"]))
         groups.setdefault(group, []).append(record)
     for (cluster, node, kind), records in groups.items():
@@ -53,10 +55,10 @@ def write_previous(root: Path, readings: list[Record], allocations: list[Record]
             (folder / f"{name}.{kind}.ndjson").write_bytes(to_ndjson(records))
 
 
-def write_gpuid(root: Path, readings: list[Record]) -> None:
+def write_gpuid(root: Path, readings: list[AnyRecord]) -> None:
     """Objects as gpuid writes them: seven columns, no header, RFC 3339 seconds, one hour
     partition under the prefix, `<YYYYMMDD-HHMMSS.mmm>.csv`."""
-    for i, record in enumerate(readings):
+    for i, record in enumerate(map(to_wire, readings)):
         when = datetime.fromisoformat(record["read_time"])
         folder = root / "gpuid" / when.strftime("year=%Y/month=%m/day=%d/hour=%H")
         folder.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def write_gpuid(root: Path, readings: list[Record]) -> None:
         (folder / f"{when:%Y%m%d-%H%M%S}.{i:03d}.csv").write_text(out.getvalue())
 
 
-def write_current(moto: MotoServer, bucket: str, records: list[Record], tmp_path: Path) -> Path:
+def write_current(moto: MotoServer, bucket: str, records: list[AnyRecord], tmp_path: Path) -> Path:
     async def write() -> None:
         exporter = S3Exporter(bucket, endpoint_url=moto.url, region="us-east-1", path_style=True)
         try:
@@ -84,7 +86,7 @@ def test_gpuid_objects_and_ours_answer_together(
     moto_server: MotoServer, s3_bucket: str, tmp_path: Path
 ) -> None:
     readings = fleet_readings()
-    gpuid = [r for r in readings if r["read_time"].startswith("2025-03-01")]
+    gpuid = [r for r in readings if r.read_time.startswith("2025-03-01")]
     ours = [r for r in readings if r not in gpuid] + fleet_allocations()
     root = write_current(moto_server, s3_bucket, ours, tmp_path)
     write_gpuid(root, gpuid)
@@ -105,9 +107,9 @@ def test_previous_and_current_layout_answer_together(
 ) -> None:
     readings, allocations = fleet_readings(), fleet_allocations()
     # the first day's readings and the first allocation's records were written before
-    old_readings = [r for r in readings if r["read_time"].startswith("2025-03-01")]
+    old_readings = [r for r in readings if r.read_time.startswith("2025-03-01")]
     old_allocations = allocations[:2]
-    assert {r["pod"] for r in old_allocations} == {"eval"}
+    assert {r.pod for r in old_allocations}  # type: ignore[union-attr] == {"eval"}
     new = [r for r in readings if r not in old_readings] + allocations[2:]
     root = write_current(moto_server, s3_bucket, new, tmp_path)
     write_previous(root, old_readings, old_allocations)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.s3 import S3Exporter, hive_value
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
@@ -24,6 +24,7 @@ from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.health import health_records
 from gpuid_agent.records.readings import reading_records
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.health.verdicts import CheckStatus, Transition
@@ -52,7 +53,7 @@ def node_inventory(
     return NodeInventory(node, cluster, machine, "dmi", "570.1", "12.8", gpus, when)
 
 
-def fleet_readings() -> list[Record]:
+def fleet_readings() -> list[AnyRecord]:
     """Three days. SN-A (two dies) moves from m1 to m2 inside "prod east"; SN-B moves from
     "prod east" to "lab" (and so to another machine too); SN-C stays in "lab"."""
     days = [DAY1 + timedelta(days=d, hours=h) for d, h in ((0, 9), (1, 9), (2, 23))]
@@ -66,14 +67,14 @@ def fleet_readings() -> list[Record]:
         ("lab", "lab-2", "m4", ["SN-C"], 1),
         ("lab", "lab-2", "m4", ["SN-C"], 2),
     ]
-    out: list[Record] = []
+    out: list[AnyRecord] = []
     for cluster, node, machine, serials, day in nodes:
         inv = node_inventory(cluster, node, machine, serials, days[day])
         out += reading_records(inv, source="gpuid-agent/test", reason="heartbeat")
     return out
 
 
-def fleet_allocations() -> list[Record]:
+def fleet_allocations() -> list[AnyRecord]:
     """The agent's own trail on node gpu-1, with a clock the test sets."""
     inv = node_inventory("prod east", "gpu-1", "m1", ["SN-A", "SN-A", "SN-B", "SN-B"], DAY1)
     train = Allocation(
@@ -98,14 +99,14 @@ def fleet_allocations() -> list[Record]:
         publish_durable=_unused,
         clock=lambda: now[0],
     )
-    out: list[Record] = []
+    out: list[AnyRecord] = []
     for when, held in steps:
         now[0] = when
         out += trail.owed(Attribution("current", held), inv)
     return out
 
 
-def fleet_health() -> list[Record]:
+def fleet_health() -> list[AnyRecord]:
     """Transitions on gpu-1: XID on GPU 0 and back, ECC on GPU 2 the next day, and a
     node-level check (no GPU)."""
     inv = node_inventory("prod east", "gpu-1", "m1", ["SN-A", "SN-A", "SN-B", "SN-B"], DAY1)
@@ -124,14 +125,14 @@ def fleet_health() -> list[Record]:
     return health_records(transitions, inv, source="gpuid-agent/test")
 
 
-async def _unused(records: list[Record]) -> None:
+async def _unused(records: list[AnyRecord]) -> None:
     raise AssertionError("the trail's records go through the exporter's worker here")
 
 
 # ---- delivery and download --------------------------------------------------------------
 
 
-async def deliver(exporter: S3Exporter, records: list[Record], spool_dir: Path) -> None:
+async def deliver(exporter: S3Exporter, records: list[AnyRecord], spool_dir: Path) -> None:
     """Through the exporter's real worker and disk spool, in gpuid's default batch size."""
     policy = BatchPolicy(batch_size=10, flush_interval=0.05, backoff_base=0.05, backoff_max=0.2)
     spool = DiskSpool(spool_dir, 1 << 24)

@@ -10,8 +10,9 @@ import aiohttp
 import orjson
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.records.types import AnyRecord
 from tests.conftest import running_agent, settings
 from tests.waiting import eventually
 
@@ -25,7 +26,7 @@ class HangingHealth(Exporter):
         self.checks_started = 0
         self.checks_pending = 0
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         return None
 
     async def health(self) -> ExporterHealth:

@@ -31,6 +31,7 @@ import orjson
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.runner import run_emitter
+from gpuid_agent.records.types import AllocationRecord
 from gpuid_agent.simulate.profiles import gb200x4
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.state.attribution import attribute
@@ -353,9 +354,9 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
-    published: list[dict[str, Any]] = []
+    published: list[AllocationRecord] = []
 
-    async def spool(records: list[dict[str, Any]]) -> None:
+    async def spool(records: list[AllocationRecord]) -> None:
         published.extend(records)
 
     bus = SnapshotBus()
@@ -367,7 +368,7 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
     finally:
         bus.close()
         await asyncio.wait_for(task, 10)
-    assert [(r["pod"], r["event"], r["end_observed"]) for r in published] == [
+    assert [(r.pod, r.event, r.end_observed) for r in published] == [
         ("job-1", "start", None),
         ("job-1", "end", False),
     ]

@@ -29,6 +29,8 @@ from gpuid_agent.delivery.exporters.postgres import PostgresExporter
 from gpuid_agent.delivery.exporters.s3.exporter import S3Exporter
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.spool import DiskSpool
+from gpuid_agent.records.serialize import from_wire
+from gpuid_agent.records.types import AnyRecord
 
 GOLDEN = Path(__file__).parent / "data" / "wire_golden"
 META = BatchMeta("0123456789abcdef0123456789abcdef", datetime(2025, 3, 1, 23, 59, 59, tzinfo=UTC))
@@ -48,9 +50,9 @@ def wire_inputs() -> list[dict[str, Any]]:
     return records
 
 
-def exported(wire: Sequence[dict[str, Any]]) -> list[Any]:
-    """The records as delivery hands them to an exporter."""
-    return list(wire)
+def exported(wire: Sequence[dict[str, Any]]) -> list[AnyRecord]:
+    """The records as delivery hands them to an exporter: typed, read back from the wire."""
+    return [from_wire(w) for w in wire]
 
 
 def _text(data: bytes) -> str:

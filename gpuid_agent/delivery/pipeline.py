@@ -1,4 +1,4 @@
-"""Records → one worker per exporter (intake, batcher, store, sender): the fan-out.
+"""Typed records → one worker per exporter (intake, store, sender, health): the fan-out.
 
 Each exporter has its own intake, batcher, store, retry state, health and metrics
 (`delivery.worker`), so one failing sink or disk slows or stops no other exporter.
@@ -10,15 +10,17 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpuid_agent.delivery.exporters.base import Exporter, ExporterHealth, Record
+from gpuid_agent.delivery.exporters.base import Exporter, ExporterHealth
+from gpuid_agent.delivery.policy import BatchPolicy, memory_split
+from gpuid_agent.delivery.sender import Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.delivery.store import BatchStore
-from gpuid_agent.delivery.worker import BatchPolicy, ExporterWorker, Outcome, memory_split
+from gpuid_agent.delivery.worker import ExporterWorker
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.metrics import AgentMetrics
-from gpuid_agent.runtime.retry import backoff_delay
 
-__all__ = ["BatchPolicy", "ExporterWorker", "Outcome", "Pipeline", "backoff_delay"]
+__all__ = ["BatchPolicy", "ExporterWorker", "Outcome", "Pipeline", "build_pipeline"]
 
 _log = log.get("pipeline")
 
@@ -35,15 +37,16 @@ class Pipeline:
         self.workers = list(workers)
         self._metrics = metrics
 
-    async def publish(self, records: Sequence[Record]) -> None:
+    async def publish(self, records: Sequence[AnyRecord]) -> None:
         """Hand records to every worker; waits only on a worker that is delivering normally
         (backpressure), never on a failing or stuck one."""
+        emitted = self._metrics.records_emitted
         for record in records:
-            self._metrics.records_emitted.labels(record.get("kind", "unknown")).inc()
+            emitted.labels(record.kind).inc()
             for worker in self.workers:
                 await worker.put(record)
 
-    async def publish_durable(self, records: Sequence[Record]) -> None:
+    async def publish_durable(self, records: Sequence[AnyRecord]) -> None:
         """Hand `records` to every exporter's store now, after what `publish` sent before,
         and return once each holds them: written and fsync'd in a disk spool, or kept by a
         memory store (whose /status says `durable: false`; so is a spool's memory fallback
@@ -52,7 +55,7 @@ class Pipeline:
         if not records:
             return
         for record in records:
-            self._metrics.records_emitted.labels(record.get("kind", "unknown")).inc()
+            self._metrics.records_emitted.labels(record.kind).inc()
         await asyncio.gather(*(w.store_now(list(records)) for w in self.workers))
 
     def health(self) -> dict[str, ExporterHealth]:

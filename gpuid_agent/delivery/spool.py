@@ -2,13 +2,12 @@
 
 Each batch is written to a hidden temporary name, fsync'd, renamed into place (atomic), and the
 directory fsync'd, so a crash leaves either the whole batch or nothing; a failed write removes
-what it wrote. A delivered batch's file is removed; files left behind by a previous run are
-re-sent, oldest first. Each file is named `<created ns>-<batch id>-<record count>.<form>`, so
-the spool can be indexed, ordered and trimmed without reading a byte of it. The form is
-`ndjson` (JSON lines), or the exporter's own stored form when it has one (PostgreSQL: COPY
-text), encoded when the batch is written so a backlog has nothing left to convert; files of
-either form are re-sent, whichever the exporter writes now. Batches a sink
-rejected move to `rejected/` for an operator to inspect or replay.
+what it wrote (`SpoolFiles` does the file work). A delivered batch's file is removed; files
+left behind by a previous run are re-sent, oldest first. The form is `ndjson` (the records'
+wire form as JSON lines, read back into typed records), or the exporter's own stored form when
+it has one (PostgreSQL: COPY text), encoded when the batch is written so a backlog has nothing
+left to convert; files of either form are re-sent, whichever the exporter writes now. Batches a
+sink rejected move to `rejected/` for an operator to inspect or replay.
 
 When the disk fails (full, read-only, gone), nothing raises at the caller: new batches are kept
 in memory, bounded by `memory_limit` records and `max_bytes` bytes of payload (oldest dropped
@@ -19,42 +18,28 @@ them; record ids dedupe), and `problem` says what is wrong until a write succeed
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm
-from gpuid_agent.delivery.spool_files import (
-    Encoded,
-    fsync_dir,
-    read_files,
-    read_records,
-    reason,
-    stored_paths,
-    unlink_all,
-    write_atomic,
-)
+from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
+from gpuid_agent.delivery.spool_files import REJECTED_DIR, Encoded, SpoolFiles
 from gpuid_agent.delivery.store import (
     JSON_LINES,
     BatchStore,
     MemoryBatches,
     StoredBatch,
-    encode,
     trim_memory,
 )
+from gpuid_agent.records.serialize import json_lines
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError
 
 __all__ = ["REJECTED_DIR", "BatchStore", "DiskSpool", "MemoryBatches", "StoredBatch"]
 
 _log = log.get("spool")
-_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
-REJECTED_DIR = "rejected"
 
 
 def _consume_exception(task: asyncio.Future[Any]) -> None:
@@ -79,7 +64,8 @@ class DiskSpool(BatchStore):
         super().__init__()
         self.form = form
         self.directory = directory
-        self.rejected_dir = directory / REJECTED_DIR
+        self._files = SpoolFiles(directory)  # creates `rejected/` and proves it writable
+        self.rejected_dir = self._files.rejected
         self.max_bytes = max_bytes
         self.memory_limit = max(1, memory_limit)  # records held in memory while unwritable
         self._rejected: OrderedDict[str, StoredBatch] = OrderedDict()
@@ -87,43 +73,17 @@ class DiskSpool(BatchStore):
         self._problem: str | None = None
         self._orphans: list[Path] = []  # delivered or dropped, but their file would not go
         # read-ahead of at most the batch being sent and the one after it, by batch id
-        self._prefetched: dict[str, asyncio.Task[list[Record]]] = {}
+        self._prefetched: dict[str, asyncio.Task[list[AnyRecord]]] = {}
         self._unlinking: asyncio.Future[None] | None = None
         # read-ahead of the next coalesced delivery: its batch ids and the read
         self._ahead: tuple[tuple[str, ...], asyncio.Future[list[Encoded]]] | None = None
-        self.rejected_dir.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".probe.tmp"
-        probe.write_bytes(b"")  # fail now, with the path in the error, if it is not writable
-        probe.unlink()
         self._scan()
 
-    @staticmethod
-    def _name(batch: StoredBatch) -> str:
-        created_ns = int(batch.meta.created.timestamp() * 1e9)
-        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.{batch.form}"
-
-    def _index(self, directory: Path) -> list[StoredBatch]:
-        found: list[StoredBatch] = []
-        for entry in sorted(directory.iterdir()):
-            if entry.name.endswith(".tmp") and entry.name.startswith("."):
-                entry.unlink(missing_ok=True)  # a write interrupted before its rename
-                continue
-            match = _NAME.match(entry.name)
-            if not match or not entry.is_file():
-                continue
-            created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
-            meta = BatchMeta(match.group(2), created)
-            size = entry.stat().st_size
-            batch = StoredBatch(meta, int(match.group(3)), size=size, path=entry)
-            batch.form = match.group(4)
-            found.append(batch)
-        return found
-
     def _scan(self) -> None:
-        for batch in self._index(self.directory):
+        for batch in self._files.index():
             self._pending[batch.meta.batch_id] = batch
             self._bytes += batch.size
-        for batch in self._index(self.rejected_dir):
+        for batch in self._files.index(rejected=True):
             self._rejected[batch.meta.batch_id] = batch
             self._bytes += batch.size
         if self._pending:
@@ -160,7 +120,7 @@ class DiskSpool(BatchStore):
         return self._bytes >= self.max_bytes
 
     def _failed(self, exc: OSError, what: str) -> None:
-        why = reason(self.directory, exc)
+        why = self._files.reason(exc)
         if self._problem != why:
             _log.error(
                 f"spool {what} failed",
@@ -180,7 +140,7 @@ class DiskSpool(BatchStore):
             _log.info("spool writable again", extra={"spool": str(self.directory)})
             self._problem = None
 
-    async def add(self, records: list[Record]) -> list[StoredBatch]:
+    async def add(self, records: list[AnyRecord]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records))
         try:
             name = await asyncio.to_thread(self._encode_write, batch, records)
@@ -199,7 +159,7 @@ class DiskSpool(BatchStore):
             await self._recovered()
         return await self._trim(keep=batch)
 
-    def _encode_write(self, batch: StoredBatch, records: list[Record]) -> str:
+    def _encode_write(self, batch: StoredBatch, records: list[AnyRecord]) -> str:
         """Encode (the exporter's form, else JSON lines) and write; the file's name."""
         payload: bytes | None = None
         if self.form is not None:
@@ -212,11 +172,11 @@ class DiskSpool(BatchStore):
                     extra={"spool": str(self.directory), "error": repr(exc)},
                 )
         if payload is None:
-            payload = encode(records)
-        name = self._name(batch)
+            payload = json_lines(records)
+        name = self._files.name(batch)
         batch.size = len(payload)
         try:
-            write_atomic(self.directory, name, payload)
+            self._files.write(name, payload)
         except OSError:
             batch.form = JSON_LINES  # kept in memory as records; size stays an estimate
             raise
@@ -266,10 +226,10 @@ class DiskSpool(BatchStore):
         if not key or (self._ahead is not None and self._ahead[0] == key):
             return
         try:
-            paths = stored_paths(batches)
+            paths = _stored_paths(batches)
         except CorruptBatchError:
             return  # the load reports it
-        task = asyncio.ensure_future(asyncio.to_thread(read_files, paths))
+        task = asyncio.ensure_future(asyncio.to_thread(self._files.read, paths))
         task.add_done_callback(_consume_exception)
         self._ahead = (key, task)
 
@@ -277,7 +237,7 @@ class DiskSpool(BatchStore):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == tuple(b.meta.batch_id for b in batches):
             return await ahead[1]
-        return await asyncio.to_thread(read_files, stored_paths(batches))
+        return await asyncio.to_thread(self._files.read, _stored_paths(batches))
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
@@ -299,7 +259,7 @@ class DiskSpool(BatchStore):
         ):
             return
         task = asyncio.ensure_future(
-            asyncio.to_thread(read_records, following.path, following.count)
+            asyncio.to_thread(self._files.read_records, following.path, following.count)
         )
         task.add_done_callback(_consume_exception)
         self._prefetched[following.meta.batch_id] = task
@@ -309,7 +269,7 @@ class DiskSpool(BatchStore):
         if task is not None:
             task.cancel()
 
-    async def load(self, batch: StoredBatch) -> list[Record]:
+    async def load(self, batch: StoredBatch) -> list[AnyRecord]:
         if batch.records is not None:
             return batch.records
         if batch.path is None:
@@ -319,7 +279,7 @@ class DiskSpool(BatchStore):
         task = self._prefetched.pop(batch.meta.batch_id, None)
         if task is not None:
             return await task
-        return await asyncio.to_thread(read_records, batch.path, batch.count)
+        return await asyncio.to_thread(self._files.read_records, batch.path, batch.count)
 
     async def remove(self, batch: StoredBatch) -> None:
         self.forget(batch)
@@ -342,7 +302,7 @@ class DiskSpool(BatchStore):
     async def _unlink_after(self, previous: asyncio.Future[None] | None, paths: list[Path]) -> None:
         if previous is not None:
             await previous  # one unlinking thread at a time, in delivery order
-        stuck = await asyncio.to_thread(unlink_all, paths)
+        stuck = await asyncio.to_thread(self._files.unlink_all, paths)
         if stuck:
             self._failed(stuck[0][1], "remove")
             self._orphans += [path for path, _ in stuck]
@@ -361,26 +321,32 @@ class DiskSpool(BatchStore):
             if batch.records is None:
                 return False, []
             try:  # a batch that only ever lived in memory: write it now
-                name = self._name(batch)
-                payload = encode(batch.records)
-                await asyncio.to_thread(write_atomic, self.rejected_dir, name, payload)
+                name = self._files.name(batch)
+                payload = json_lines(batch.records)
+                path = await asyncio.to_thread(self._files.write, name, payload, True)
             except OSError as exc:
                 self._failed(exc, "write")
                 return False, []
-            batch.path, batch.size, batch.records = self.rejected_dir / name, len(payload), None
+            batch.path, batch.size, batch.records = path, len(payload), None
             self._bytes += batch.size
         else:
-            target = self.rejected_dir / batch.path.name
             try:
-                await asyncio.to_thread(os.replace, batch.path, target)
+                target = await asyncio.to_thread(self._files.move_to_rejected, batch.path)
             except OSError as exc:
                 self._failed(exc, "set-aside")
                 await self._unlink(batch)
                 return False, []
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(fsync_dir, self.rejected_dir)
             batch.path = target
         self._rejected[batch.meta.batch_id] = batch
         dropped = await self._trim(keep=batch)
         kept = batch.meta.batch_id in self._rejected
         return kept, [d for d in dropped if d is not batch]
+
+
+def _stored_paths(batches: Sequence[StoredBatch]) -> list[Path]:
+    paths: list[Path] = []
+    for batch in batches:
+        if batch.path is None or batch.form == JSON_LINES:
+            raise CorruptBatchError("batch is not a file in a stored form")
+        paths.append(batch.path)
+    return paths

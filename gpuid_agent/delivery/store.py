@@ -8,16 +8,14 @@ one broken disk degrades one exporter instead of stopping it.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
-
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record, StoredForm, json_bytes
+from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import CorruptBatchError
 
 JSON_LINES = "ndjson"
@@ -28,7 +26,7 @@ class StoredBatch:
     meta: BatchMeta
     count: int
     size: int = 0  # bytes of its file, or of its encoded payload while held in memory
-    records: list[Record] | None = None  # in memory (memory store, or a failed disk write)
+    records: list[AnyRecord] | None = None  # in memory (memory store, or a failed disk write)
     path: Path | None = None
     in_flight: bool = False
     dropped_for: str = ""  # why the store dropped it, once it did
@@ -44,11 +42,11 @@ class BatchStore(ABC):
         self._pending: OrderedDict[str, StoredBatch] = OrderedDict()
 
     @abstractmethod
-    async def add(self, records: list[Record]) -> list[StoredBatch]:
+    async def add(self, records: list[AnyRecord]) -> list[StoredBatch]:
         """Store a new batch; return the batches dropped to stay within the bound."""
 
     @abstractmethod
-    async def load(self, batch: StoredBatch) -> list[Record]: ...
+    async def load(self, batch: StoredBatch) -> list[AnyRecord]: ...
 
     @abstractmethod
     async def remove(self, batch: StoredBatch) -> None: ...
@@ -136,12 +134,12 @@ class MemoryBatches(BatchStore):
     def full(self, records: int) -> bool:
         return bool(self._pending) and self.records + records > self.max_records
 
-    async def add(self, records: list[Record]) -> list[StoredBatch]:
+    async def add(self, records: list[AnyRecord]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records), records=records)
         self._pending[batch.meta.batch_id] = batch
         return trim_memory(self._pending, batch, self.max_records, None, "buffer_full")
 
-    async def load(self, batch: StoredBatch) -> list[Record]:
+    async def load(self, batch: StoredBatch) -> list[AnyRecord]:
         return batch.records or []
 
     async def remove(self, batch: StoredBatch) -> None:
@@ -196,35 +194,3 @@ def trim_memory(
         candidate.dropped_for = reason
         dropped.append(candidate)
     return dropped
-
-
-def encode(records: list[Record]) -> bytes:
-    return b"".join(json_bytes(r) + b"\n" for r in records)
-
-
-def decode(data: bytes) -> list[Record]:
-    # Fast path: JSON text never holds a raw newline, so the lines joined by commas are one
-    # JSON array, parsed in one call.
-    body = data.strip()
-    try:
-        whole = orjson.loads(b"[" + body.replace(b"\n", b",") + b"]") if body else []
-    except orjson.JSONDecodeError:
-        pass
-    else:
-        if all(isinstance(r, dict) for r in whole):
-            return whole
-    out: list[Record] = []
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            value = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            try:  # lines written through the ASCII-escape fallback
-                value = json.loads(line)
-            except ValueError as exc:
-                raise CorruptBatchError(f"unreadable line: {exc}") from exc
-        if not isinstance(value, dict):
-            raise CorruptBatchError("a line is not a JSON object")
-        out.append(value)
-    return out

@@ -26,8 +26,8 @@ from typing import Any
 from gpuid_agent.facts import NodeInventory
 from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
-from gpuid_agent.records.serialize import Record, allocation_from_wire, rfc3339, to_wire
-from gpuid_agent.records.types import AllocationRecord, header
+from gpuid_agent.records.serialize import allocation_from_wire, rfc3339, to_wire
+from gpuid_agent.records.types import AllocationRecord, AnyRecord, header
 from gpuid_agent.runtime import log
 from gpuid_agent.state.allocation_trail import Ended, OpenAllocations, Started
 from gpuid_agent.state.attribution import Allocation, Attribution
@@ -71,68 +71,64 @@ class TrailIdentity:
 
 def start_record(
     identity: TrailIdentity, started: Started, inventory: NodeInventory, now: datetime
-) -> Record:
+) -> AllocationRecord:
     a = started.allocation
     gpu = inventory.gpu_by_uuid().get(a.gpu_uuid)
     mig = next((m for m in gpu.mig_devices if m.uuid == a.mig_uuid), None) if gpu else None
     h = a.holder
     alloc_id = allocation_id(identity.cluster, identity.node, a)
     at = rfc3339(now)
-    return to_wire(
-        AllocationRecord(
-            kind="allocation",
-            record_id=allocation_record_id(alloc_id, "start"),
-            event="start",
-            # the machine is the inventory's: the providerID may arrive after start
-            **header(
-                inventory,
-                gpu,
-                source=identity.source,
-                read_time=at,
-                cluster=identity.cluster,
-                node=identity.node,
-            ),
-            allocation_id=alloc_id,
-            serial=gpu.serial if gpu else None,
-            uuid=a.gpu_uuid,
-            gpu_index=gpu.index if gpu else None,
-            mig_uuid=a.mig_uuid,
-            mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
-            mig_profile=mig.profile if mig else None,
-            namespace=h.namespace,
-            pod=h.pod,
-            pod_uid=h.pod_uid or None,
-            container=h.container,
-            resource_name=a.resource_name,
-            device_id=a.device_id,
-            replica=a.replica,
-            workload_kind=h.workload_kind or None,
-            workload_name=h.workload_name or None,
-            started_at=at,
-            start_observed=started.observed,
-            ended_at=None,
-            end_observed=None,
-            claim_namespace=a.claim.namespace if a.claim else None,
-            claim_name=a.claim.name if a.claim else None,
-            claim_source=a.claim.source if a.claim else None,
-        )
+    return AllocationRecord(
+        kind="allocation",
+        record_id=allocation_record_id(alloc_id, "start"),
+        event="start",
+        # the machine is the inventory's: the providerID may arrive after start
+        **header(
+            inventory,
+            gpu,
+            source=identity.source,
+            read_time=at,
+            cluster=identity.cluster,
+            node=identity.node,
+        ),
+        allocation_id=alloc_id,
+        serial=gpu.serial if gpu else None,
+        uuid=a.gpu_uuid,
+        gpu_index=gpu.index if gpu else None,
+        mig_uuid=a.mig_uuid,
+        mig_gpu_instance_id=mig.gpu_instance_id if mig else None,
+        mig_profile=mig.profile if mig else None,
+        namespace=h.namespace,
+        pod=h.pod,
+        pod_uid=h.pod_uid or None,
+        container=h.container,
+        resource_name=a.resource_name,
+        device_id=a.device_id,
+        replica=a.replica,
+        workload_kind=h.workload_kind or None,
+        workload_name=h.workload_name or None,
+        started_at=at,
+        start_observed=started.observed,
+        ended_at=None,
+        end_observed=None,
+        claim_namespace=a.claim.namespace if a.claim else None,
+        claim_name=a.claim.name if a.claim else None,
+        claim_source=a.claim.source if a.claim else None,
     )
 
 
-def end_record(ended: Ended, now: datetime) -> Record:
+def end_record(ended: Ended, now: datetime) -> AllocationRecord:
     """The end repeats its start's fields (the GPU may be gone by now)."""
     at = rfc3339(now)
     begun = allocation_from_wire(ended.start)
-    return to_wire(
-        replace(
-            begun,
-            record_id=allocation_record_id(begun.allocation_id, "end"),
-            event="end",
-            read_time=at,
-            ended_at=at,
-            end_observed=ended.observed,
-            last_seen_at=ended.last_seen_at,
-        )
+    return replace(
+        begun,
+        record_id=allocation_record_id(begun.allocation_id, "end"),
+        event="end",
+        read_time=at,
+        ended_at=at,
+        end_observed=ended.observed,
+        last_seen_at=ended.last_seen_at,
     )
 
 
@@ -145,7 +141,7 @@ class AllocationTrail(Emitter):
         self,
         identity: TrailIdentity,
         *,
-        publish_durable: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[AnyRecord]], Awaitable[None]],
         state_dir: str = "",
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -158,7 +154,7 @@ class AllocationTrail(Emitter):
         )
         self._latest: tuple[Attribution, NodeInventory] | None = None
 
-    def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[Record]:
+    def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
         """Records owed for this attribution (ends, then starts); updates the open set."""
         changes = self.allocations.update(attribution)
         if changes is None:
@@ -167,7 +163,7 @@ class AllocationTrail(Emitter):
         records = [end_record(e, now) for e in changes.ended]
         for started in changes.started:
             start = start_record(self.identity, started, inventory, now)
-            self.allocations.opened(started.key, start)
+            self.allocations.opened(started.key, to_wire(start))
             records.append(start)
         return records
 
@@ -180,7 +176,7 @@ class AllocationTrail(Emitter):
         state = self.allocations
         if latest is not None and (records := self.owed(*latest)):
             _log.debug("allocation records", extra={"count": len(records)})
-            state.pending = state.pending + records
+            state.pending = state.pending + [to_wire(r) for r in records]
         if state.pending:  # on the first flush: left by a kill before they reached the spools
             await publish_owed(state, self._publish_durable)
 

@@ -17,8 +17,8 @@ from typing import Any
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
-from gpuid_agent.records.serialize import Record, rfc3339, to_wire
-from gpuid_agent.records.types import HardwareRecord, header
+from gpuid_agent.records.serialize import rfc3339, to_wire
+from gpuid_agent.records.types import AnyRecord, HardwareRecord, header
 from gpuid_agent.runtime import log
 from gpuid_agent.state.gpu_slots import GpuSlots, SlotChange
 from gpuid_agent.state.snapshot import NodeSnapshot
@@ -28,7 +28,7 @@ _log = log.get("hardware")
 
 def hardware_record(
     inventory: NodeInventory, change: SlotChange, *, cluster: str, source: str
-) -> Record:
+) -> HardwareRecord:
     event, bus, old, new = change
     gpu: GpuIdentity | None = next(
         (g for g in inventory.gpus if (g.pci_bus_id or "").lower() == bus and g.serial == new),
@@ -39,18 +39,16 @@ def hardware_record(
         inventory, gpu, source=source, read_time=rfc3339(inventory.read_time), cluster=cluster
     )
     envelope["gpu"] = new or old or ""  # the serial now in the slot, even if it did not read
-    return to_wire(
-        HardwareRecord(
-            kind="hardware",
-            record_id=hashlib.sha256(digest.encode()).hexdigest()[:32],
-            event=event,
-            **envelope,
-            pci_bus_id=gpu.pci_bus_id or bus if gpu else bus,
-            old_serial=old,
-            new_serial=new,
-            uuid=gpu.uuid if gpu else None,
-            index=gpu.index if gpu else None,
-        )
+    return HardwareRecord(
+        kind="hardware",
+        record_id=hashlib.sha256(digest.encode()).hexdigest()[:32],
+        event=event,
+        **envelope,
+        pci_bus_id=gpu.pci_bus_id or bus if gpu else bus,
+        old_serial=old,
+        new_serial=new,
+        uuid=gpu.uuid if gpu else None,
+        index=gpu.index if gpu else None,
     )
 
 
@@ -60,7 +58,7 @@ class HardwareWatch(Emitter):
         *,
         cluster: str,
         source: str,
-        publish_durable: Callable[[list[Record]], Awaitable[None]],
+        publish_durable: Callable[[list[AnyRecord]], Awaitable[None]],
         state_dir: str = "",
     ) -> None:
         self._cluster, self._source = cluster, source
@@ -69,7 +67,7 @@ class HardwareWatch(Emitter):
         self.sent = 0
         self._latest: NodeInventory | None = None
 
-    def owed(self, inventory: NodeInventory) -> list[Record]:
+    def owed(self, inventory: NodeInventory) -> list[HardwareRecord]:
         """Records for what changed since the last inventory; updates the slots."""
         records = [
             hardware_record(inventory, c, cluster=self._cluster, source=self._source)
@@ -77,8 +75,13 @@ class HardwareWatch(Emitter):
         ]
         for r in records:
             _log.warning(
-                f"GPU {r['event']}",
-                extra={k: r[k] for k in ("pci_bus_id", "old_serial", "new_serial", "machine")},
+                f"GPU {r.event}",
+                extra={
+                    "pci_bus_id": r.pci_bus_id,
+                    "old_serial": r.old_serial,
+                    "new_serial": r.new_serial,
+                    "machine": r.machine,
+                },
             )
         return records
 
@@ -90,7 +93,7 @@ class HardwareWatch(Emitter):
         state = self.slots
         before = None if state.serials is None else dict(state.serials)
         if inventory is not None:
-            state.pending.extend(self.owed(inventory))
+            state.pending.extend(to_wire(r) for r in self.owed(inventory))
         if state.pending:  # on the first flush: left by a kill before they reached the stores
             self.sent += await publish_owed(state, self._publish_durable)
         elif state.serials != before:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.runner import Emitter
-from gpuid_agent.records.serialize import Record, rfc3339, to_wire
+from gpuid_agent.records.serialize import rfc3339
 from gpuid_agent.records.types import HealthRecord, header
 from gpuid_agent.runtime import log
 from gpuid_agent.state.health.verdicts import Transition
@@ -25,29 +25,27 @@ _log = log.get("health.records")
 
 def health_record(
     transition: Transition, inventory: NodeInventory, gpu: GpuIdentity | None, *, source: str
-) -> Record:
+) -> HealthRecord:
     current, previous = transition.current, transition.previous
-    return to_wire(
-        HealthRecord(
-            kind="health",
-            **header(inventory, gpu, source=source, read_time=rfc3339(current.since)),
-            uuid=transition.uuid,
-            index=transition.index,
-            check=transition.check,
-            state=current.state,
-            previous_state=previous.state if previous else None,
-            action=current.action,
-            reason=current.reason,
-            since=rfc3339(current.since),
-            gpu_state=transition.gpu_state,
-            holders=tuple(holder_dict(h) for h in transition.holders),
-        )
+    return HealthRecord(
+        kind="health",
+        **header(inventory, gpu, source=source, read_time=rfc3339(current.since)),
+        uuid=transition.uuid,
+        index=transition.index,
+        check=transition.check,
+        state=current.state,
+        previous_state=previous.state if previous else None,
+        action=current.action,
+        reason=current.reason,
+        since=rfc3339(current.since),
+        gpu_state=transition.gpu_state,
+        holders=tuple(holder_dict(h) for h in transition.holders),
     )
 
 
 def health_records(
     transitions: Iterable[Transition], inventory: NodeInventory, *, source: str
-) -> list[Record]:
+) -> list[HealthRecord]:
     gpus = inventory.gpu_by_uuid()
     return [
         health_record(t, inventory, gpus.get(t.uuid) if t.uuid else None, source=source)
@@ -60,14 +58,14 @@ class HealthPublisher(Emitter):
 
     def __init__(
         self,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish: Callable[[list[HealthRecord]], Awaitable[None]],
         *,
         limit: int = 10_000,
         source: str = "",
     ) -> None:
         self._publish = publish
         self._source = source
-        self._queue: deque[Record] = deque()
+        self._queue: deque[HealthRecord] = deque()
         self._limit = limit
         self.dropped = 0
 

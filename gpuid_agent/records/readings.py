@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.runner import Emitter
-from gpuid_agent.records.serialize import Record, record_id, rfc3339, to_wire
+from gpuid_agent.records.serialize import rfc3339
 from gpuid_agent.records.types import SCHEMA_VERSION, ReadingRecord, header
 from gpuid_agent.runtime import log
 from gpuid_agent.state.inventory import diff
 from gpuid_agent.state.snapshot import NodeSnapshot
 
-__all__ = ["SCHEMA_VERSION", "ReadingEmitter", "Record", "reading_record", "record_id", "rfc3339"]
+__all__ = ["SCHEMA_VERSION", "ReadingEmitter", "reading_record", "rfc3339"]
 _log = log.get("records")
 
 
@@ -29,25 +29,23 @@ def reading_record(
     reason: str,
     change: str,
     read_time: str = "",
-) -> Record:
+) -> ReadingRecord:
     """`read_time` is the inventory's, formatted once by the caller for a whole node."""
-    return to_wire(
-        ReadingRecord(
-            kind="reading",
-            **header(
-                inventory, gpu, source=source, read_time=read_time or rfc3339(inventory.read_time)
-            ),
-            uuid=gpu.uuid,
-            index=gpu.index,
-            model=gpu.name,
-            pci_bus_id=gpu.pci_bus_id,
-            module_id=gpu.module_id,
-            board_part_number=gpu.board_part_number,
-            driver_version=inventory.driver_version,
-            mig_devices=tuple(m.uuid for m in gpu.mig_devices),
-            reason=reason,
-            change=change,
-        )
+    return ReadingRecord(
+        kind="reading",
+        **header(
+            inventory, gpu, source=source, read_time=read_time or rfc3339(inventory.read_time)
+        ),
+        uuid=gpu.uuid,
+        index=gpu.index,
+        model=gpu.name,
+        pci_bus_id=gpu.pci_bus_id,
+        module_id=gpu.module_id,
+        board_part_number=gpu.board_part_number,
+        driver_version=inventory.driver_version,
+        mig_devices=tuple(m.uuid for m in gpu.mig_devices),
+        reason=reason,
+        change=change,
     )
 
 
@@ -58,7 +56,7 @@ def reading_records(
     reason: str,
     changed: Mapping[str, str] | None = None,
     removed: Iterable[GpuIdentity] = (),
-) -> list[Record]:
+) -> list[ReadingRecord]:
     """One record per GPU (GB200's die pairs stay separate, with their shared serial)."""
     changed = changed or {}
     at = rfc3339(inventory.read_time)
@@ -92,7 +90,7 @@ class ReadingEmitter(Emitter):
         *,
         source: str,
         heartbeat_interval: float,
-        publish: Callable[[list[Record]], Awaitable[None]],
+        publish: Callable[[list[ReadingRecord]], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
@@ -106,7 +104,7 @@ class ReadingEmitter(Emitter):
     def note(self, snapshot: NodeSnapshot) -> None:
         self._latest = snapshot.inventory
 
-    def due(self, inventory: NodeInventory) -> list[Record]:
+    def due(self, inventory: NodeInventory) -> list[ReadingRecord]:
         """Records owed for this inventory now (empty when nothing changed and no heartbeat)."""
         changes = diff(self._emitted, inventory)
         first = self._emitted is None

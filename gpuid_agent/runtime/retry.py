@@ -15,9 +15,31 @@ from email.utils import parsedate_to_datetime
 RETRY_AFTER_CAP = 300.0  # the longest pause any server's Retry-After may impose on us
 
 
+def backoff_ceiling(attempt: int, base: float, cap: float) -> float:
+    """The largest delay retry number `attempt` (0-based) may draw: min(cap, base·2^attempt)."""
+    return min(cap, base * 2.0 ** min(max(attempt, 0), 62))
+
+
+def backoff_delay(
+    attempt: int,
+    base: float,
+    cap: float,
+    rand: random.Random | None = None,
+    *,
+    floor: float | None = None,
+) -> float:
+    """The one backoff formula: the pause before retry number `attempt` (0-based), uniform in
+    [0, backoff_ceiling()], raised to `floor` (a server's Retry-After, itself capped at
+    RETRY_AFTER_CAP) when one is given."""
+    delay = (rand or random).uniform(0.0, backoff_ceiling(attempt, base, cap))
+    if floor is not None:
+        delay = max(delay, min(floor, RETRY_AFTER_CAP))
+    return delay
+
+
 class Backoff:
-    """Delays for consecutive failures: `next()` after each failure, `reset()` after a
-    success. `floor` is a minimum delay (a server's Retry-After, say) for the next pause."""
+    """`backoff_delay` for callers that do not count attempts themselves: `next()` after
+    each failure, `reset()` after a success."""
 
     def __init__(self, base: float, cap: float, rand: random.Random | None = None) -> None:
         if base <= 0 or cap <= 0:
@@ -29,29 +51,17 @@ class Backoff:
 
     def ceiling(self) -> float:
         """The largest delay the next failure may draw."""
-        return min(self.cap, self.base * 2.0 ** min(self.failures, 62))
+        return backoff_ceiling(self.failures, self.base, self.cap)
 
     def next(self, floor: float | None = None) -> float:
-        """The pause after one more failure: uniform in [0, ceiling()], raised to `floor`
-        (itself capped at RETRY_AFTER_CAP) when one is given."""
-        delay = self._rand.uniform(0.0, self.ceiling())
+        """The pause after one more failure (`floor`: see `backoff_delay`)."""
+        delay = backoff_delay(self.failures, self.base, self.cap, self._rand, floor=floor)
         self.failures += 1
-        if floor is not None:
-            delay = max(delay, min(floor, RETRY_AFTER_CAP))
         return delay
 
     def reset(self) -> None:
         """After a success: the next failure starts again from `base`."""
         self.failures = 0
-
-
-def backoff_delay(
-    attempt: int, base: float, cap: float, rand: random.Random | None = None
-) -> float:
-    """The delay before retry number `attempt` (0-based), for callers that count attempts
-    themselves: uniform in [0, min(cap, base·2^attempt)]."""
-    ceiling = min(cap, base * 2.0 ** min(max(attempt, 0), 62))
-    return (rand or random).uniform(0.0, ceiling)
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:

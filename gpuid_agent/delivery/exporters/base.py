@@ -1,22 +1,23 @@
-"""The exporter interface every sink implements, and helpers they share."""
+"""The exporter interface every sink implements, and helpers they share.
+
+Exporters take typed records (`gpuid_agent.records.types.AnyRecord`) and turn them into bytes
+only through the one serializer, `gpuid_agent.records.serialize`."""
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-import orjson
+from gpuid_agent.records.types import AnyRecord
 
 if TYPE_CHECKING:
     from gpuid_agent.runtime.metrics import AgentMetrics
 
-Record = dict[str, Any]
 EXCERPT_CHARS = 200
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 ExporterState = Literal["ok", "degraded", "unavailable"]
@@ -58,7 +59,7 @@ class StoredForm:
     `export_stored` call, so a backlog drains in a few large deliveries whatever BATCH_SIZE was."""
 
     suffix: str
-    encode: Callable[[list[Record]], bytes]
+    encode: Callable[[list[AnyRecord]], bytes]
     max_records: int
     max_bytes: int
 
@@ -75,7 +76,7 @@ class Exporter(ABC):
     stored_form: StoredForm | None = None
 
     @abstractmethod
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None: ...
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None: ...
 
     async def export_stored(self, payloads: Sequence[bytes], meta: BatchMeta) -> None:
         """Deliver batches kept in `stored_form`, as one delivery (exporters with a form)."""
@@ -92,21 +93,6 @@ class Exporter(ABC):
 
     async def close(self) -> None:
         return None
-
-
-def json_bytes(value: Any) -> bytes:
-    """JSON of records; strings orjson refuses (lone surrogates) go through ASCII escapes."""
-    try:
-        return orjson.dumps(value, default=str)
-    except TypeError:
-        return json.dumps(value, default=str, ensure_ascii=True, separators=(",", ":")).encode()
-
-
-def gpuid_shape(record: Record) -> Record:
-    """A reading as gpuid's receivers expect it: its `time` field beside our `read_time`."""
-    if record.get("kind") == "reading" and "time" not in record and "read_time" in record:
-        return {**record, "time": record["read_time"]}
-    return record
 
 
 def excerpt(text: str, *secrets: str) -> str:

@@ -19,15 +19,10 @@ import gzip
 import os
 from collections.abc import Sequence
 
-from gpuid_agent.delivery.exporters.base import (
-    BatchMeta,
-    Exporter,
-    ExporterHealth,
-    Record,
-    gpuid_shape,
-    json_bytes,
-)
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth
 from gpuid_agent.delivery.exporters.transport import HttpTransport, Refusals
+from gpuid_agent.records.serialize import gpuid_shape, json_bytes, to_wire
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 
 _GZIP_IN_THREAD = 256 * 1024  # compress bigger bodies off the event loop
@@ -89,19 +84,19 @@ class HttpExporter(Exporter):
         self.gzip_body = gzip_body
         self._tokens = TokenSource(token, token_file)
 
-    async def _body(self, batch: Sequence[Record]) -> bytes:
-        body = json_bytes([gpuid_shape(r) for r in batch])
+    async def _body(self, batch: Sequence[AnyRecord]) -> bytes:
+        body = json_bytes([gpuid_shape(to_wire(r)) for r in batch])
         if not self.gzip_body:
             return body
         if len(body) > _GZIP_IN_THREAD:
             return await asyncio.to_thread(gzip.compress, body, 6)
         return gzip.compress(body, 6)
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
         await self._post(batch, meta, self._tokens.get())
 
-    async def _post(self, batch: Sequence[Record], meta: BatchMeta, token: str) -> None:
+    async def _post(self, batch: Sequence[AnyRecord], meta: BatchMeta, token: str) -> None:
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": meta.batch_id,

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import BinaryIO
 
-import orjson
-
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter
+from gpuid_agent.records.serialize import json_lines
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 
 
@@ -23,8 +23,8 @@ class StdoutExporter(Exporter):
         self._stream.write(payload)
         self._stream.flush()
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
-        payload = b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in batch)
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
+        payload = json_lines(batch)
         try:
             # A write to a pipe blocks when its reader is slow: keep it off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, self._write, payload)

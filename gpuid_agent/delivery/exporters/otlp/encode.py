@@ -18,7 +18,6 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
 from gpuid_agent import __version__
-from gpuid_agent.delivery.exporters.base import Record, json_bytes
 from gpuid_agent.delivery.exporters.otlp.attributes import (
     BY_KIND,
     COMMON,
@@ -29,6 +28,8 @@ from gpuid_agent.delivery.exporters.otlp.attributes import (
     SEVERITY,
     WORKLOAD_KINDS,
 )
+from gpuid_agent.records.serialize import Wire, json_bytes, to_wire
+from gpuid_agent.records.types import AnyRecord
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -90,7 +91,7 @@ def unix_nanos(text: Any) -> int:
     return nanos if 0 <= nanos < 2**64 else 0
 
 
-def record_attributes(record: Record) -> dict[str, Any]:
+def record_attributes(record: Wire) -> dict[str, Any]:
     """The attributes of one record's LogRecord, by attribute name."""
     kind = str(record.get("kind", ""))
     out: dict[str, Any] = {}
@@ -105,7 +106,7 @@ def record_attributes(record: Record) -> dict[str, Any]:
     return out
 
 
-def _fill(log: LogRecord, record: Record) -> None:
+def _fill(log: LogRecord, record: Wire) -> None:
     log.time_unix_nano = log.observed_time_unix_nano = unix_nanos(record.get("read_time"))
     kind = str(record.get("kind", ""))
     number, text = SEVERITY.get(str(record.get("state")), INFO) if kind == "health" else INFO
@@ -116,17 +117,18 @@ def _fill(log: LogRecord, record: Record) -> None:
     add_attributes(log.attributes, record_attributes(record))
 
 
-def _resource_key(record: Record) -> tuple[str, ...]:
+def _resource_key(record: Wire) -> tuple[str, ...]:
     return tuple(str(record.get(field) or "") for field in RESOURCE)
 
 
 def encode_logs(
-    records: Sequence[Record], extra_resource: Mapping[str, str] | None = None
+    records: Sequence[AnyRecord], extra_resource: Mapping[str, str] | None = None
 ) -> ExportLogsServiceRequest:
     """The request carrying `records`, in their order within each resource."""
     request = ExportLogsServiceRequest()
     groups: dict[tuple[str, ...], Any] = {}
-    for record in records:
+    for typed in records:
+        record = to_wire(typed)
         key = _resource_key(record)
         logs = groups.get(key)
         if logs is None:

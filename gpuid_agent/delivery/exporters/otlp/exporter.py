@@ -22,11 +22,11 @@ from gpuid_agent.delivery.exporters.base import (
     BatchMeta,
     Exporter,
     ExporterHealth,
-    Record,
     excerpt,
 )
 from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
 from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 
 if TYPE_CHECKING:
@@ -66,11 +66,11 @@ class OtlpExporter(Exporter):
     def bind_metrics(self, metrics: AgentMetrics) -> None:
         self._rejected = metrics.export_rejected_records.labels(self.name)
 
-    def body(self, batch: Sequence[Record]) -> bytes:
+    def body(self, batch: Sequence[AnyRecord]) -> bytes:
         """The request body: the encoded batch, gzipped when compression is on."""
         return self.http.compress(encode_logs(batch, self._resource).SerializeToString())
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
         if len(batch) > _OFF_LOOP_RECORDS:
             body = await asyncio.to_thread(self.body, batch)

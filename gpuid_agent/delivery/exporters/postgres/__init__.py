@@ -25,13 +25,13 @@ from gpuid_agent.delivery.exporters.base import (
     BatchMeta,
     Exporter,
     ExporterHealth,
-    Record,
     StoredForm,
 )
 from gpuid_agent.delivery.exporters.postgres import rows as rowmap
 from gpuid_agent.delivery.exporters.postgres.copytext import Payload, section
 from gpuid_agent.delivery.exporters.postgres.schema import MIGRATION_LOCK, Tables, migration
 from gpuid_agent.delivery.exporters.postgres.writer import CopyWriter, Written
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
 
@@ -90,7 +90,7 @@ def _classify(exc: BaseException) -> ExportError:
     return ExportError(f"PostgreSQL client error: {exc!r}", error_type=type(exc).__name__)
 
 
-def payload_of(records: list[Record]) -> Payload:
+def payload_of(records: Sequence[AnyRecord]) -> Payload:
     """A batch's rows per table in COPY text."""
     rows = rowmap.split(records)
     return Payload(
@@ -101,7 +101,7 @@ def payload_of(records: list[Record]) -> Payload:
     )
 
 
-def stored_payload(records: list[Record]) -> bytes:
+def stored_payload(records: list[AnyRecord]) -> bytes:
     """A batch in the exporter's stored form (what its spool files hold)."""
     return payload_of(records).encode()
 
@@ -217,7 +217,7 @@ class PostgresExporter(Exporter):
     def _tables(self) -> tuple[str, str, str]:
         return (self.tables.readings, self.tables.allocations, self.tables.events)
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         records = list(batch)
         if len(records) > _ENCODE_IN_THREAD:
             await self._deliver(await asyncio.to_thread(payload_of, records))

@@ -18,8 +18,9 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.delivery.exporters.base import Record, json_bytes
 from gpuid_agent.records import columns
+from gpuid_agent.records.serialize import Wire, json_bytes, to_wire
+from gpuid_agent.records.types import AnyRecord
 
 VARCHAR = 255
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -122,13 +123,13 @@ def to_json(value: Any) -> str:
     return json_bytes(_clean_json(value)).decode("utf-8")
 
 
-def fallback_id(record: Record) -> str:
+def fallback_id(record: Wire) -> str:
     body = _clean_json({k: v for k, v in record.items() if k != "record_id"})
     digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS, default=str))
     return digest.hexdigest()[:32]
 
 
-def _record_id(record: Record) -> str:
+def _record_id(record: Wire) -> str:
     value = _text(record.get("record_id"))
     return value if value else fallback_id(record)
 
@@ -156,7 +157,7 @@ _READING_SPEC: tuple[tuple[str, int], ...] = tuple(
 _READING_KNOWN = frozenset(name for name, _ in _READING_SPEC) | {"kind"}
 
 
-def reading_row(record: Record) -> tuple[Any, ...] | None:
+def reading_row(record: Wire) -> tuple[Any, ...] | None:
     """The readings-table row of a reading, or None when it has no readable read_time.
 
     Written for speed (it runs for every record of a backlog): plain short ASCII strings,
@@ -201,7 +202,7 @@ def reading_row(record: Record) -> tuple[Any, ...] | None:
     return tuple(row)
 
 
-def allocation_id(record: Record) -> str:
+def allocation_id(record: Wire) -> str:
     """The allocation's own id, or one derived from what identifies an assignment."""
     given = _text(record.get("allocation_id"))
     if given:
@@ -215,7 +216,7 @@ def allocation_id(record: Record) -> str:
     return digest[:32]
 
 
-def allocation_row(record: Record) -> tuple[Any, ...]:
+def allocation_row(record: Wire) -> tuple[Any, ...]:
     row: dict[str, Any] = {
         "allocation_id": allocation_id(record),
         "record_id": _record_id(record),
@@ -232,7 +233,7 @@ def allocation_row(record: Record) -> tuple[Any, ...]:
     return tuple(row[c] for c in ALLOCATION_COLUMNS)
 
 
-def event_row(record: Record) -> tuple[Any, ...]:
+def event_row(record: Wire) -> tuple[Any, ...]:
     observed = next(
         (t for t in (parse_time(record.get(f)) for f in _TIME_FIELDS) if t is not None), None
     )
@@ -254,9 +255,10 @@ class Rows:
     events: list[tuple[Any, ...]] = field(default_factory=list)
 
 
-def split(batch: Sequence[Record]) -> Rows:
+def split(batch: Sequence[AnyRecord]) -> Rows:
+    """Each record's row, by table (the wire form is what the rows hold)."""
     rows = Rows()
-    for record in batch:
+    for record in map(to_wire, batch):
         kind = record.get("kind")
         if kind == "reading":
             row = reading_row(record)

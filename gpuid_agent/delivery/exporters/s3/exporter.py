@@ -16,8 +16,9 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, Record
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth
 from gpuid_agent.delivery.exporters.s3.layout import Layout, S3Object, key_part
+from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 
 # Content problems S3 will never accept; anything else (auth, bucket, throttling) may heal.
@@ -72,11 +73,11 @@ class S3Exporter(Exporter):
                 self._stack = stack
             return self._s3
 
-    def objects(self, batch: Sequence[Record], meta: BatchMeta) -> list[S3Object]:
+    def objects(self, batch: Sequence[AnyRecord], meta: BatchMeta) -> list[S3Object]:
         """Every object this batch becomes (key, body, metadata, content type)."""
         return self.layout.objects(batch, meta)
 
-    async def export(self, batch: Sequence[Record], meta: BatchMeta | None = None) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         meta = meta or BatchMeta.new()
         try:
             s3 = await self._client()

@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Record, gpuid_shape, json_bytes
+from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.records import columns
+from gpuid_agent.records.serialize import Wire, gpuid_shape, json_bytes, to_wire
+from gpuid_agent.records.types import AnyRecord
 
 CSV_COLUMNS = columns.CSV_COLUMNS  # gpuid's seven first (`time` is its read_time), then ours
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -88,7 +90,7 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def to_csv(records: Sequence[Record], header: bool) -> bytes:
+def to_csv(records: Sequence[Wire], header: bool) -> bytes:
     buffer = io.StringIO(newline="")
     writer = csv.writer(buffer, lineterminator="\n")
     # With "\n" line ends the csv module does not quote a lone "\r"; such rows quote all.
@@ -102,7 +104,7 @@ def to_csv(records: Sequence[Record], header: bool) -> bytes:
     return buffer.getvalue().encode("utf-8", "replace")
 
 
-def to_ndjson(records: Sequence[Record]) -> bytes:
+def to_ndjson(records: Sequence[Wire]) -> bytes:
     return b"".join(json_bytes(gpuid_shape(r)) + b"\n" for r in records)
 
 
@@ -129,10 +131,10 @@ class Layout:
         base = clean_prefix(self.prefix)
         return f"{base}/{key_part(kind)}" if base else key_part(kind)
 
-    def objects(self, batch: Sequence[Record], meta: BatchMeta) -> list[S3Object]:
+    def objects(self, batch: Sequence[AnyRecord], meta: BatchMeta) -> list[S3Object]:
         """Every object this batch becomes: one per (kind, cluster, node)."""
-        groups: dict[tuple[str, str, str], list[Record]] = {}
-        for record in batch:
+        groups: dict[tuple[str, str, str], list[Wire]] = {}
+        for record in map(to_wire, batch):
             group = (
                 str(record.get("kind") or "reading"),
                 str(record.get("cluster", "")),
@@ -143,7 +145,7 @@ class Layout:
         return [self._object(group, records, meta, when) for group, records in groups.items()]
 
     def _object(
-        self, group: tuple[str, str, str], records: list[Record], meta: BatchMeta, when: str
+        self, group: tuple[str, str, str], records: list[Wire], meta: BatchMeta, when: str
     ) -> S3Object:
         kind, cluster, node = group
         if kind == "reading" and self.fmt == "csv":
