@@ -152,10 +152,14 @@ def test_each_endpoint_has_its_own_up(scraped: Scraped) -> None:
     steady = dict(
         (m["endpoint"], v) for m, v in scraped.values("min_over_time(scrape_samples_scraped[5s])")
     )
-    assert scraped_samples == steady, "scrape_samples_scraped alternates: endpoints merged"
+    # Merged endpoints would alternate between two very different sizes; one endpoint's size
+    # only grows by a series that appears (a counter's first label set, say).
+    for endpoint, most in scraped_samples.items():
+        assert most <= steady[endpoint] * 1.1, f"{endpoint} alternates: endpoints merged"
     counts = {m["endpoint"]: v for m, v in scraped.values("count_over_time(up[10s])")}
     print(f"{scraped.setup.id}: up samples in 10s {counts}, samples/scrape {scraped_samples}")
-    assert scraped_samples["metrics"] != scraped_samples["gpu-metrics"]
+    smaller, larger = sorted(scraped_samples, key=scraped_samples.__getitem__)
+    assert steady[larger] > scraped_samples[smaller] * 1.1
 
 
 def test_agent_series_carry_the_agents_pod(scraped: Scraped) -> None:

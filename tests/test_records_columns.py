@@ -9,6 +9,7 @@ from gpuid_agent.delivery.exporters.postgres import Tables, schema
 from gpuid_agent.delivery.exporters.postgres import rows as rowmap
 from gpuid_agent.delivery.exporters.s3 import to_csv
 from gpuid_agent.records import columns
+from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import ReadingRecord
 from tests.exporter_support import readings
 
@@ -27,7 +28,7 @@ def test_postgres_doc_tables_are_the_registry() -> None:
 
 
 def test_s3_doc_header_is_the_csv_header() -> None:
-    header = to_csv(readings(1), header=True).decode().splitlines()[0]
+    header = to_csv([to_wire(r) for r in readings(1)], header=True).decode().splitlines()[0]
     assert blocks("s3.md")["csv"] == f"```\n{header}\n```\n"
     assert header.split(",") == list(columns.CSV_COLUMNS)
 

@@ -24,9 +24,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from prometheus_client.metrics_core import Metric
 
 from gpuid_agent.delivery.exporters.base import excerpt
-from gpuid_agent.delivery.exporters.otlp.encode import resource
 from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
-from gpuid_agent.delivery.exporters.otlp.metrics import encode_metrics
+from gpuid_agent.delivery.exporters.otlp.logs_encoding import resource
+from gpuid_agent.delivery.exporters.otlp.metrics_encoding import encode_metrics
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics

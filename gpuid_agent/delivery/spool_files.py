@@ -16,9 +16,9 @@ from pathlib import Path
 
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.store import StoredBatch
-from gpuid_agent.records.serialize import WireError, from_json_lines
+from gpuid_agent.records.serialize import from_json_lines
 from gpuid_agent.records.types import AnyRecord
-from gpuid_agent.runtime.errors import CorruptBatchError
+from gpuid_agent.runtime.errors import CorruptBatchError, WireError
 
 REJECTED_DIR = "rejected"
 _NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from gpuid_agent.records.serialize import WireError, from_wire
+from gpuid_agent.records.serialize import from_wire
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import WireError
 from gpuid_agent.state.state_file import WireRecord
 
 _log = log.get("records")

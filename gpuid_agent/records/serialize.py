@@ -27,6 +27,7 @@ from gpuid_agent.records.types import (
     HealthRecord,
     ReadingRecord,
 )
+from gpuid_agent.runtime.errors import WireError
 
 __all__ = [
     "Wire",
@@ -53,10 +54,6 @@ _RECORD_TYPES: tuple[type[AnyRecord], ...] = (
 )
 # One C-level getter per type: records are built per GPU per collection, so this path is hot.
 _GETTERS = {cls: (cls.__slots__, attrgetter(*cls.__slots__)) for cls in _RECORD_TYPES}
-
-
-class WireError(ValueError):
-    """A dict that is not the wire form of any record."""
 
 
 def rfc3339(moment: datetime) -> str:
@@ -89,8 +86,13 @@ def to_wire(record: AnyRecord) -> Wire:
 
 
 def _content_id(wire: Mapping[str, Any]) -> str:
-    digest = hashlib.sha256(orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)).hexdigest()
-    return digest[:32]
+    try:
+        canonical = orjson.dumps(wire, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # what orjson refuses (a lone surrogate, an int past 64 bits) still hashes
+        canonical = json.dumps(
+            wire, sort_keys=True, ensure_ascii=True, separators=(",", ":"), default=str
+        ).encode()
+    return hashlib.sha256(canonical).hexdigest()[:32]
 
 
 def json_bytes(value: Any) -> bytes:
@@ -228,11 +230,7 @@ def from_wire(wire: Mapping[str, Any]) -> AnyRecord:
     values = dict(wire)
     if cls is ReadingRecord or cls is HealthRecord:
         given = values.pop("record_id")
-        try:
-            matches = given == _content_id(values)  # the id hashes the rest, as written
-        except TypeError:  # a string no record id could have hashed (a lone surrogate)
-            matches = False
-        if not matches:
+        if given != _content_id(values):  # the id hashes the rest, as written
             raise WireError(f"{kind} record_id does not match the record's content")
     if cls is ReadingRecord:
         values["mig_devices"] = tuple(values["mig_devices"])

@@ -1,5 +1,5 @@
 """One frozen record type per kind. Field order is the wire order; `serialize.to_wire` turns
-any of them into the dict exporters and the spool receive (`delivery.exporters.base.Record`).
+any of them into its wire dict, the form every sink and file receives.
 
 Reading and health ids hash what the record says, so they are computed by the serializer and
 are not fields here; an allocation's id hashes (allocation_id, event) and is carried.

@@ -12,6 +12,7 @@
     │   ├── DeviceIdError          a kubelet device id of no known form (also a ValueError)
     │   ├── KubeConfigError        a Kubernetes configuration that cannot be used
     │   └── KubeApiError           the API server answered with an error status
+    ├── WireError              a dict that is no record's wire form (also a ValueError)
     ├── ExportError            an exporter could not deliver a batch
     └── StoreError
         └── CorruptBatchError      a spooled batch that cannot be read back
@@ -88,6 +89,11 @@ class KubeApiError(SourceError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+
+
+class WireError(GpuidError, ValueError):
+    """A dict that is not the wire form of any record (a spool file or state file damaged, or
+    written by something else)."""
 
 
 class ExportError(GpuidError):

@@ -22,6 +22,7 @@ import aiohttp
 
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import Backoff
+from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import request_json, watch_events
 
 # a kubernetes_asyncio list method (`list_pod_for_all_namespaces`, …): lists, and with
@@ -30,6 +31,21 @@ ListCall = Callable[..., Awaitable[Any]]
 
 ABSENT_RETRY_SECONDS = 600.0  # a resource not served (no resource.k8s.io): look again now and then
 _FAILURES = (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError)
+
+
+NO_API = "no Kubernetes API configuration found"
+
+
+def api_given(
+    shared: object | None, board: StatusBoard, component: str, no_api: Callable[[str], None]
+) -> bool:
+    """A cache's start with the agent's API client (never closed by the cache): False, with
+    `no_api` told why, without one."""
+    if shared is None:
+        no_api(NO_API)
+        return False
+    board.set(component, "starting")
+    return True
 
 
 class Followed(Protocol):

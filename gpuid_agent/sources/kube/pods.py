@@ -28,7 +28,7 @@ from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
-from gpuid_agent.sources.kube.list_watch import ListWatch, failure_reason, list_version
+from gpuid_agent.sources.kube.list_watch import ListWatch, api_given, failure_reason, list_version
 from gpuid_agent.sources.kube.owners import OwnerResolver, Workload, controller
 
 _log = log.get("pods")
@@ -164,14 +164,10 @@ class PodCache:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def open(self, shared: KubeClient | None) -> bool:
-        """Use the agent's API client (never closed here); False (and ready, with the reason
-        on /status) without one."""
+        """Use the agent's API client; without one the cache is ready anyway, with the reason
+        on /status."""
         self._client = shared
-        if shared is None:
-            self.no_api("no Kubernetes API configuration found")
-            return False
-        self.board.set(COMPONENT, "starting")
-        return True
+        return api_given(shared, self.board, COMPONENT, self.no_api)
 
     def no_api(self, reason: str) -> None:
         """Attribute from the kubelet alone (no pod UIDs, owners or labels)."""

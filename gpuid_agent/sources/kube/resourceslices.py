@@ -25,7 +25,13 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
-from gpuid_agent.sources.kube.list_watch import ListCall, ListWatch, failure_reason, list_version
+from gpuid_agent.sources.kube.list_watch import (
+    ListCall,
+    ListWatch,
+    api_given,
+    failure_reason,
+    list_version,
+)
 from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 
 _log = log.get("resourceslices")
@@ -168,11 +174,7 @@ class ResourceSliceCache:
     def open(self, shared: KubeClient | None) -> bool:
         """Use the agent's API client (never closed here); False without one."""
         self._client = shared
-        if shared is None:
-            self.no_api("no Kubernetes API configuration found")
-            return False
-        self.board.set(COMPONENT, "starting")
-        return True
+        return api_given(shared, self.board, COMPONENT, self.no_api)
 
     def no_api(self, reason: str) -> None:
         self.last_error = reason

@@ -24,8 +24,8 @@ from gpuid_agent.delivery.exporters.base import (
     ExporterHealth,
     excerpt,
 )
-from gpuid_agent.delivery.exporters.otlp.encode import encode_logs
 from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
+from gpuid_agent.delivery.exporters.otlp.logs_encoding import encode_logs
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.otlp.attributes import SCOPE_NAME
-from gpuid_agent.delivery.exporters.otlp.encode import add_attributes, utf8
+from gpuid_agent.delivery.exporters.otlp.logs_encoding import add_attributes, utf8
 
 _CUMULATIVE = AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 
