@@ -15,7 +15,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml

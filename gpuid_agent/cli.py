@@ -21,8 +21,9 @@ from pydantic_settings import NoDecode
 
 from gpuid_agent import __version__
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.config import Settings, load_settings
+from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.config_checks import unused_settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ConfigError, NvmlUnavailableError
 
 EXIT_CONFIG = 2

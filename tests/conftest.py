@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.runtime.config import Settings, load_settings
+from gpuid_agent.runtime.config import Settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.state.health.verdicts import NodeHealth
 
 # The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 import gpuid_agent
-from gpuid_agent.runtime.config import Settings, env_name, load_settings
+from gpuid_agent.runtime.config import Settings, env_name
+from gpuid_agent.runtime.config_load import load_settings
 from tests.chart_render import (
     ADMISSION_POLICY,
     CHART,

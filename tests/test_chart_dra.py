@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 from tests.chart_render import (
     Rendered,
     agent_container,

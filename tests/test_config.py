@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.runtime.config import load_settings, parse_duration
+from gpuid_agent.runtime.config import parse_duration
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 
 
@@ -97,8 +98,7 @@ def test_postgres_table_must_be_an_identifier(table: str) -> None:
 
 
 def test_simulation_profiles_match_the_simulator() -> None:
-    from gpuid_agent.runtime.config import SIMULATION_PROFILES
-    from gpuid_agent.runtime.config_checks import SIMULATION_GPUS
+    from gpuid_agent.runtime.config import SIMULATION_GPUS, SIMULATION_PROFILES
     from gpuid_agent.simulate.profiles import PROFILES
 
     assert set(SIMULATION_PROFILES) == set(PROFILES)

@@ -18,7 +18,7 @@ from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker, Outcome
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import SCHEMA_VERSION, AllocationRecord, HealthRecord
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters

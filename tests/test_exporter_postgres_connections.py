@@ -15,7 +15,7 @@ import pytest
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.setup.delivery import make_exporters

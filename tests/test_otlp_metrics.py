@@ -124,7 +124,7 @@ def test_opentelemetry_is_loaded_only_when_asked_for() -> None:
     script = """
 import sys
 from gpuid_agent.agent import Agent
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 extra = {"otel_metrics_exporter": "otlp", "otel_exporter_otlp_endpoint": "http://127.0.0.1:1"}
 Agent(load_settings({"simulate": "gb200x4", **(extra if sys.argv[1] == "push" else {})}))
 print("opentelemetry" in sys.modules)

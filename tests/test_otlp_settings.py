@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuid_agent.delivery.exporters.otlp import OtlpExporter
-from gpuid_agent.runtime.config import load_settings
+from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.otel_env import (
     RESERVED_HEADERS,

@@ -12,7 +12,8 @@ import pytest
 
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.sources.nvml.calls import FieldCalls
-from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo, ProcessReader
+from gpuid_agent.sources.nvml.process_reader import ProcessReader
+from gpuid_agent.sources.nvml.process_values import GpuProcesses, ProcessInfo
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.source import NvmlSource
 from tests import fakenvml

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gpuid_agent.facts import GpuIdentity, GpuSample, MigDevice, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
-from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo
+from gpuid_agent.sources.nvml.process_values import GpuProcesses, ProcessInfo
 from gpuid_agent.sources.procfs import HOST_PROCESS, PID_GONE, UNKNOWN_CGROUP, CgroupOwner
 from gpuid_agent.state.attribution.holders import Allocation, Attribution, Holder
 from gpuid_agent.state.attribution.process_mapping import share_processes

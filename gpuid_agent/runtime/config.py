@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import socket
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,16 +16,16 @@ from pydantic import (
     BeforeValidator,
     Field,
     SecretStr,
-    ValidationError,
 )
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from gpuid_agent.runtime.config_checks import SIMULATION_GPUS, cross_checks
-from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.runtime.fault_spec import parse_faults
 from gpuid_agent.runtime.otel_settings import OtelSettings
 from gpuid_agent.runtime.redact import REDACTED, redact_url
 
+# GPUs of each simulated profile, kept in step with gpuid_agent.simulate.profiles (a test
+# checks), so a FAULT naming a GPU the profile lacks is a configuration error.
+SIMULATION_GPUS = {"h100x8": 8, "gb200x4": 4, "mig": 2, "timesliced": 8, "dra": 4}
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
@@ -347,54 +346,3 @@ class Settings(OtelSettings):
 
 def env_name(field: str) -> str:
     return field.upper()
-
-
-def _describe(error: Mapping[str, Any], secret: bool) -> str:
-    msg = str(error.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    if secret or "input" not in error or isinstance(error["input"], dict):
-        return msg
-    shown = repr(error["input"])
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f"{msg} (got {shown})"
-
-
-def _problems(exc: ValidationError) -> dict[str, str]:
-    problems: dict[str, str] = {}
-    for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else "?"
-        annotation = Settings.model_fields.get(field)
-        secret = annotation is not None and annotation.annotation is SecretStr
-        problems.setdefault(env_name(field), _describe(error, secret))
-    return problems
-
-
-def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Read env and apply overrides (CLI flags); raise ConfigError naming every bad variable."""
-    init = {k: v for k, v in (overrides or {}).items() if v is not None}
-    try:
-        settings = Settings(**init)
-    except ValidationError as exc:
-        problems = _problems(exc)
-        # Check the rest with each bad value at its default, so one message names every
-        # variable to fix (BATCH_SIZE=0 and a missing POSTGRES_HOST together).
-        bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
-        defaults = {
-            name: field.get_default(call_default_factory=True)
-            for name, field in Settings.model_fields.items()
-            if name in bad
-        }
-        try:
-            rest = Settings(**(init | defaults))
-        except ValidationError:
-            rest = None
-        if rest is not None:
-            for name, why in cross_checks(rest).items():
-                if not (name == "FAULT" and "simulate" in bad):  # FAULT depends on SIMULATE
-                    problems.setdefault(name, why)
-        raise ConfigError(problems) from None
-    problems = cross_checks(settings)
-    if problems:
-        raise ConfigError(problems)
-    return settings

@@ -8,17 +8,11 @@ import ipaddress
 import re
 import socket
 import ssl
-from typing import TYPE_CHECKING
 
+from gpuid_agent.runtime.config import SIMULATION_GPUS, Settings
 from gpuid_agent.runtime.fault_spec import parse_faults
 from gpuid_agent.runtime.redact import has_userinfo
 
-if TYPE_CHECKING:
-    from gpuid_agent.runtime.config import Settings
-
-# GPUs of each simulated profile, kept in step with gpuid_agent.simulate.profiles (a test
-# checks), so a FAULT naming a GPU the profile lacks is a configuration error.
-SIMULATION_GPUS = {"h100x8": 8, "gb200x4": 4, "mig": 2, "timesliced": 8, "dra": 4}
 # gpuid settings this agent accepts and ignores: a value set there is logged once at start.
 UNUSED_GPUID_SETTINGS = ("namespace", "label_selector")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")

@@ -13,7 +13,7 @@ import pynvml
 from gpuid_agent.facts import PlatformInfo
 from gpuid_agent.runtime.fault_spec import Fault, parse_fault
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
-from gpuid_agent.sources.nvml.process_reader import ProcessInfo, ProcessSample
+from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 

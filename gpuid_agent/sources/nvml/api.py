@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from typing import Any, Protocol
 
 from gpuid_agent.facts import PlatformInfo
-from gpuid_agent.sources.nvml.process_reader import ProcessInfo, ProcessSample
+from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 Handle = Any

@@ -10,50 +10,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime.errors import GpuLostError
+from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
-
-if TYPE_CHECKING:  # api.py imports the record types from here
-    from gpuid_agent.sources.nvml.api import NvmlApi
+from gpuid_agent.sources.nvml.process_values import GpuProcesses, ProcessInfo, ProcessSample
 
 NO_INSTANCE = 0xFFFFFFFF  # NVML's "not a MIG process" instance id
 NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF  # NVML_VALUE_NOT_AVAILABLE for a ulonglong
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    """One process on one GPU, from a running-processes list."""
-
-    pid: int
-    used_memory: int | None  # bytes; None where the driver does not say
-    gpu_instance_id: int | None = None
-    compute_instance_id: int | None = None
-    mps: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessSample:
-    """One per-process utilization sample (percent of the sampling period)."""
-
-    pid: int
-    timestamp_us: int
-    sm_util: int
-    mem_util: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class GpuProcesses:
-    """What NVML said about one GPU's processes at one read."""
-
-    gpu_uuid: str
-    processes: tuple[ProcessInfo, ...] = ()
-    # None: the driver gives no per-process samples here; {}: none ran since the last read
-    sm_util: dict[int, float] | None = None
-    failed: str | None = None  # the whole GPU could not be read (lost)
 
 
 def instance_id(value: object) -> int | None:

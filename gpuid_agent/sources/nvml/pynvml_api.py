@@ -20,12 +20,8 @@ from gpuid_agent.facts import PlatformInfo
 from gpuid_agent.runtime.errors import NvmlUnavailableError
 from gpuid_agent.sources.nvml.api import EventSet, Handle
 from gpuid_agent.sources.nvml.errors import OLDER_CALL, NvmlFault, fault
-from gpuid_agent.sources.nvml.process_reader import (
-    ProcessInfo,
-    ProcessSample,
-    instance_id,
-    memory_value,
-)
+from gpuid_agent.sources.nvml.process_reader import instance_id, memory_value
+from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
 T = TypeVar("T")

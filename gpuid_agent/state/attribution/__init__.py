@@ -1,5 +1,6 @@
 """Which containers hold which GPUs: kubelet device ids mapped onto the NVML inventory."""
 
+from gpuid_agent.state.attribution.device_index import DeviceIndex
 from gpuid_agent.state.attribution.holders import (
     UNAVAILABLE,
     Allocation,
@@ -9,7 +10,6 @@ from gpuid_agent.state.attribution.holders import (
     Unmapped,
 )
 from gpuid_agent.state.attribution.mapping import (
-    DeviceIndex,
     attribute,
     count_allocatable_gpus,
     make_holder,

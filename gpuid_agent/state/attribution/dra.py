@@ -11,17 +11,14 @@ report, so a MIG device waits for the slices.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from gpuid_agent.facts import GpuIdentity, MigDevice
 from gpuid_agent.runtime.errors import DeviceIdError
 from gpuid_agent.sources.kube.resourceslices import SliceDevice
 from gpuid_agent.sources.kubelet import ClaimAssignment, parse_dra_device
 from gpuid_agent.sources.kubelet.claims import NVIDIA_GPU_DRIVER
+from gpuid_agent.state.attribution.device_index import DeviceIndex
 from gpuid_agent.state.attribution.holders import ClaimSource
-
-if TYPE_CHECKING:
-    from gpuid_agent.state.attribution.mapping import DeviceIndex
 
 SliceLookup = Callable[[str, str, str], SliceDevice | None]
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.sources.kube.pods import PodMeta
-from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessInfo
+from gpuid_agent.sources.nvml.process_values import GpuProcesses, ProcessInfo
 from gpuid_agent.sources.procfs import CgroupOwner
 from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.mapping import make_holder

@@ -13,7 +13,8 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlError
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.calls import FieldCalls
-from gpuid_agent.sources.nvml.process_reader import GpuProcesses, ProcessReader
+from gpuid_agent.sources.nvml.process_reader import ProcessReader
+from gpuid_agent.sources.nvml.process_values import GpuProcesses
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.procfs import CgroupOwner, HostProc
 from gpuid_agent.state.attribution.holders import Attribution

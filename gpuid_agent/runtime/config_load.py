@@ -1,0 +1,65 @@
+"""Settings loaded once at start: the environment and CLI overrides validated, then checked
+across settings and against the files and addresses they name (`config_checks`); every
+problem is reported at once, naming its variable (ConfigError, exit 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from gpuid_agent.runtime.config import Settings, env_name
+from gpuid_agent.runtime.config_checks import cross_checks
+from gpuid_agent.runtime.errors import ConfigError
+
+
+def _describe(error: Mapping[str, Any], secret: bool) -> str:
+    msg = str(error.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if secret or "input" not in error or isinstance(error["input"], dict):
+        return msg
+    shown = repr(error["input"])
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{msg} (got {shown})"
+
+
+def _problems(exc: ValidationError) -> dict[str, str]:
+    problems: dict[str, str] = {}
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        annotation = Settings.model_fields.get(field)
+        secret = annotation is not None and annotation.annotation is SecretStr
+        problems.setdefault(env_name(field), _describe(error, secret))
+    return problems
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Read env and apply overrides (CLI flags); raise ConfigError naming every bad variable."""
+    init = {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        settings = Settings(**init)
+    except ValidationError as exc:
+        problems = _problems(exc)
+        # Check the rest with each bad value at its default, so one message names every
+        # variable to fix (BATCH_SIZE=0 and a missing POSTGRES_HOST together).
+        bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+        defaults = {
+            name: field.get_default(call_default_factory=True)
+            for name, field in Settings.model_fields.items()
+            if name in bad
+        }
+        try:
+            rest = Settings(**(init | defaults))
+        except ValidationError:
+            rest = None
+        if rest is not None:
+            for name, why in cross_checks(rest).items():
+                if not (name == "FAULT" and "simulate" in bad):  # FAULT depends on SIMULATE
+                    problems.setdefault(name, why)
+        raise ConfigError(problems) from None
+    problems = cross_checks(settings)
+    if problems:
+        raise ConfigError(problems)
+    return settings
