@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pynvml
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
@@ -22,6 +23,7 @@ from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
 from tests.conftest import node_health, running_agent, settings
+from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
 from tests.waiting import eventually
 
@@ -258,19 +260,29 @@ async def test_expected_gpu_count(fake_nvml: FakeNvml) -> None:
         assert (node.labels["check"], node.labels["state"]) == ("gpu_count", "unhealthy")
 
 
-async def test_expected_count_from_the_allocatable_hook(fake_nvml: FakeNvml) -> None:
-    config = fakenvml.gb200x4()
-    async with agent_on(fake_nvml, config) as run:
-        assert node_health(run.agent).node_checks["gpu_count"].state == "unknown"
-        run.agent.collector.allocatable_gpu_count = lambda: 4
-        await eventually(lambda: node_health(run.agent).node_checks["gpu_count"].state == "healthy")
-        run.agent.collector.allocatable_gpu_count = lambda: 5
-        await eventually(
-            lambda: node_health(run.agent).node_checks["gpu_count"].state == "unhealthy"
+@pytest.mark.parametrize(
+    ("offered", "state"),
+    [(("0", "1", "2", "3"), "healthy"), (("0", "1", "2", "3", "4"), "unhealthy")],
+)
+async def test_expected_count_from_the_kubelets_allocatable_gpus(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, offered: tuple[str, ...], state: str
+) -> None:
+    """EXPECTED_GPU_COUNT=-1 holds NVML's count to the GPUs the kubelet can allocate (by GPU
+    index here, as some device plugins name them); a GPU the kubelet still offers but NVML no
+    longer shows is the finding."""
+    kubelet.allocatable = (("nvidia.com/gpu", offered),)
+    async with agent_on(
+        fake_nvml,
+        fakenvml.gb200x4(),
+        pod_resources_socket=kubelet.socket_path,
+        expected_gpu_count=-1,
+    ) as run:
+        check = await eventually(
+            lambda: (c := node_health(run.agent).node_checks.get("gpu_count"))
+            and c.state == state
+            and c
         )
-        assert "kubelet allocatable" in (
-            node_health(run.agent).node_checks["gpu_count"].reason or ""
-        )
+        assert ("kubelet allocatable" in (check.reason or "")) == (state == "unhealthy")
 
 
 async def test_persistence_off_and_clock_slowdowns(fake_nvml: FakeNvml) -> None:

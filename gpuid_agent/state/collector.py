@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
@@ -101,10 +100,6 @@ class Collector:
         # GPUs the kubelet can allocate (None without GetAllocatableResources); compared with
         # NVML's count when EXPECTED_GPU_COUNT is -1. A node whose GPUs are all handed out
         # through DRA has none: the DRA driver's ResourceSlices count them instead.
-        self.allocatable_gpu_count: Callable[[], int | None] = lambda: count_allocatable_gpus(
-            attributor.source.current(), self.inventory
-        )
-        self.dra_gpu_count: Callable[[], int | None] = attributor.dra_gpu_count
         board.set("nvml", "starting")
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -229,8 +224,8 @@ class Collector:
                 inventory,
                 reading,
                 self.nvml,
-                self.allocatable_gpu_count(),
-                self.dra_gpu_count(),
+                count_allocatable_gpus(self.attributor.source.current(), self.inventory),
+                self.attributor.dra_gpu_count(),
             )
         except NvmlError as exc:
             self._board.set("health", "degraded", f"health read failed: {exc}")
