@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
-from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter
 from gpuid_agent.records.types import AnyRecord
 from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, free_port, write_kubeconfig
@@ -28,7 +28,7 @@ class Collect(Exporter):
     def __init__(self) -> None:
         self.records: list[AnyRecord] = []
 
-    async def export(self, batch: Sequence[AnyRecord]) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         self.records.extend(batch)
 
 

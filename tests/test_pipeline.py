@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gpuid_agent.delivery.exporters.base import Exporter
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.pipeline import (
     BatchPolicy,
@@ -41,7 +41,7 @@ class _Rejecting(Exporter):
     def __init__(self) -> None:
         self.calls = 0
 
-    async def export(self, batch: Sequence[AnyRecord]) -> None:
+    async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
         self.calls += 1
         raise ExportError("400 bad request", error_type="http_400", retryable=False)
 

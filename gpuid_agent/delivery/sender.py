@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -49,8 +48,6 @@ class Sender:
         changed: Callable[[], None],
     ) -> None:
         self._exporter = exporter
-        # Exporters written before batch identities existed take the batch alone.
-        self._pass_meta = "meta" in inspect.signature(exporter.export).parameters
         self._store = store
         self._intake = intake
         self._keeper = keeper
@@ -72,12 +69,7 @@ class Sender:
         """Try a batch up to 1 + retry_count times."""
         given = meta or BatchMeta.new()
 
-        def send() -> Awaitable[None]:
-            if self._pass_meta:
-                return self._exporter.export(batch, given)
-            return self._exporter.export(batch)
-
-        return await self._deliver(send, len(batch))
+        return await self._deliver(lambda: self._exporter.export(batch, given), len(batch))
 
     async def _attempt(self, send: Callable[[], Awaitable[None]]) -> None:
         started = time.perf_counter()
