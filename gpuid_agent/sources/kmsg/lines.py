@@ -138,7 +138,7 @@ def _xid(m: re.Match[str]) -> KernelXid | None:
     pid = process = None
     if (p := _PROCESS.match(rest)) is not None:
         pid = int(p.group(1)) if p.group(1).isdigit() and len(p.group(1)) < 11 else None
-        name = p.group(2).strip()
+        name = _clip(p.group(2))
         process = name[:64] if name and not name.startswith("<") else None
         rest = p.group(3)
     nvlink = action = action_text = None
