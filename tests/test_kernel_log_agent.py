@@ -11,12 +11,17 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuid_agent.facts import GpuIdentity
+from gpuid_agent.runtime.config_load import load_settings
+from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.sources.kmsg.lines import KernelEvent, KernelXid
 from gpuid_agent.sources.kmsg.reader import KernelLogReader
 from gpuid_agent.sources.nvml.signals import XidEvent
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.xid import classify_xid
 from tests import fakenvml
 from tests.conftest import node_health
 from tests.fakenvml.fixtures import FakeNvml
@@ -170,9 +175,6 @@ def test_twins_count_once_in_either_order_and_the_line_decides() -> None:
     now = [0.0]
     tracker = HealthTracker(kernel_log=True, clock=lambda: now[0])
     gpus = fakenvml.gb200x4().gpus
-    from gpuid_agent.facts import GpuIdentity
-    from gpuid_agent.state.health.xid import classify_xid
-
     ids = [GpuIdentity(index=i, uuid=g.uuid or "", name=g.name) for i, g in enumerate(gpus)]
     tracker.observe(ids, {}, {})
     ignore = classify_xid(148).__class__(
@@ -206,3 +208,14 @@ def test_off_by_default_nothing_of_the_kernel_log_is_imported() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_relative_kernel_log_path_fails_at_start_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KERNEL_LOG", "dev/kmsg")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert set(info.value.problems) == {"KERNEL_LOG"}
+    monkeypatch.setenv("KERNEL_LOG", "/dev/kmsg")
+    assert load_settings().kernel_log == "/dev/kmsg"
