@@ -200,6 +200,17 @@ def test_twins_count_once_in_either_order_and_the_line_decides() -> None:
     assert snap[2].xid_counts == {148: 2}
     assert snap[2].checks["xid"].state == classify_xid(148).state  # the event's stands
 
+    # an event escalated by repeats is still taken back by its line
+    repeats = HealthTracker(kernel_log=True, clock=lambda: now[0], xid_repeat_count=2)
+    repeats.observe(ids, {}, {})
+    repeats.record_xid(event(3), ignore, source="kernel")
+    repeats.record_xid(event(3))  # its twin
+    now[0] = 20.0
+    repeats.record_xid(event(3))  # a second 148: escalated (two within the window)
+    repeats.record_xid(event(3), ignore, source="kernel")
+    gpu3 = {g.index: g for g in repeats.snapshot().gpus}[3]
+    assert gpu3.xid_counts == {148: 2} and gpu3.checks["xid"].state == "healthy"
+
 
 def test_off_by_default_nothing_of_the_kernel_log_is_imported() -> None:
     code = (

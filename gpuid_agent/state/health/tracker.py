@@ -195,10 +195,10 @@ class HealthTracker:
         else:
             state.xid_counts[event.code] += 1
             state.last_xid = event.code
-            if self.kernel_log:
-                state.unpaired.append((now, source, cls))
         self._snapshot = None
         cls = self._repeated(state, cls, counted=paired is None)
+        if paired is None and self.kernel_log:  # as judged, so its twin can take it back
+            state.unpaired.append((now, source, cls))
         if cls.state != "healthy":
             if cls.latched:
                 state.latches.append(cls)
