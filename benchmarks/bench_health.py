@@ -59,19 +59,28 @@ def _tracker_cost() -> float:
     return median(samples) * 1e6
 
 
-async def _read_cost_fake_library(links: bool = False) -> tuple[float, str]:
+async def _read_cost_fake_library(
+    links: bool = False, fields: bool | None = None
+) -> tuple[float, str]:
     """HealthReader.read for 8 GPUs through the real pynvml and the C fake library; with
-    `links`, each GPU also has a PCIe link and 18 NVLinks with error counters."""
+    `links`, each GPU also has a PCIe link and 18 NVLinks with error counters. `fields`: True,
+    the PCIe AER counters and link speeds read through nvmlDeviceGetFieldValues; False, a
+    library without that call (as before it was read); None, the call answers NOT_SUPPORTED
+    entries."""
     try:
         from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml, with_links
     except ImportError:
         return float("nan"), "tests package not importable"
     with tempfile.TemporaryDirectory() as tmp:
-        lib = build_fake_nvml(Path(tmp))
+        omit = ["nvmlDeviceGetFieldValues"] if fields is False else []
+        lib = build_fake_nvml(Path(tmp), omit=omit)
         config = Path(tmp) / "fake.conf"
         node = h100x8()
         if links:
             node.gpus = [with_links(g) for g in node.gpus]
+        if fields:
+            for gpu in node.gpus:  # AER counters, NVLink speed (MB/s)
+                gpu.fields = {"173": 3, "179": 0, "180": 0, "164": 26562}
         node.write(config)
         os.environ["FAKE_NVML_CONFIG"] = str(config)
         load_fake_into_pynvml(lib)
@@ -189,10 +198,13 @@ async def run() -> list[Row]:
     ]
     read_ms, note = await _read_cost_fake_library()
     rows.append(Row("health", "read health signals, 8 GPUs", read_ms, "ms", note))
-    read_ms, note = await _read_cost_fake_library(links=True)
+    read_ms, note = await _read_cost_fake_library(links=True, fields=False)
     rows.append(
         Row("health", "read health signals, 8 GPUs, PCIe + 18 NVLinks each", read_ms, "ms", note)
     )
+    read_ms, note = await _read_cost_fake_library(links=True, fields=True)
+    what = "read health signals, 8 GPUs, PCIe + 18 NVLinks + AER/speed field values"
+    rows.append(Row("health", what, read_ms, "ms", note))
     plain, full, plain_size, full_size = _render_cost()
     rows += [
         Row("health", "render /gpu/metrics, 8 GPUs, no health", plain, "ms", f"{plain_size} B"),

@@ -326,6 +326,10 @@ class SimulatedNvml:
             return 0
         return 1 + int(5 * self._since(fault))  # CRC flit errors, five a second
 
+    def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+        self._gpu(handle)
+        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
     # ---- XID events ----------------------------------------------------------------------
 
     def inject_xid(self, index: int, code: int) -> None:

@@ -267,6 +267,8 @@ class FakeGpu:
     nvlink_crc_flit: str | None = None
     nvlink_crc_data: str | None = None
     supported_events: int | None = None
+    # nvmlDeviceGetFieldValues: "<field id>" or "<field id>:<scope id>" -> value
+    fields: dict[str, int] = field(default_factory=dict)
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)
     mig: list[FakeMig] = field(default_factory=list)
@@ -280,7 +282,9 @@ class FakeGpu:
 
 
 _PROCESS_FIELDS = frozenset({"processes", "mps_processes", "process_util"})
-_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids", "blocks"}) | _PROCESS_FIELDS
+_SPECIAL_GPU_FIELDS = (
+    frozenset({"lost", "errors", "mig", "xids", "blocks", "fields"}) | _PROCESS_FIELDS
+)
 _SPECIAL_MIG_FIELDS = frozenset({"errors"})
 
 
@@ -336,6 +340,7 @@ class FakeNvmlConfig:
                 lines.append(f"{prefix} error {key} {int(rc)}")
             for code, after in gpu.xids:
                 lines.append(f"{prefix} xid {int(code)} {int(after)}")
+            lines.extend(f"{prefix} field {key} {int(v)}" for key, v in gpu.fields.items())
             for key, secs in gpu.blocks.items():
                 lines.append(f"{prefix} block {key} {float(secs)!r}")
             lines.extend(f"{prefix} process {p.statement()}" for p in gpu.processes)

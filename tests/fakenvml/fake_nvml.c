@@ -31,6 +31,7 @@
  *   gpu <i> <key> <value...>         a property of GPU i (0-based)
  *   gpu <i> error <field-key> <nvmlReturn>
  *   gpu <i> xid <code> <after_n_waits> [<gpu_instance_id> <compute_instance_id>]
+ *   gpu <i> field <id>[:<scope>] <value> a value nvmlDeviceGetFieldValues reads
  *   gpu <i> mig <j> <key> <value...> a property of MIG device j of GPU i
  *   gpu <i> mig <j> error <field-key> <nvmlReturn>
  *   block <symbol> <seconds>         every call of that exported function hangs
@@ -546,6 +547,14 @@ static void parse_gpu_line(char *rest) {
         g->xid[g->nxid].gi = (unsigned int)gi;
         g->xid[g->nxid].ci = (unsigned int)ci;
         g->nxid++;
+    } else if (strcmp(key, "field") == 0) {
+        /* stored as the key "field.<id>" or "field.<id>.<scope>" */
+        char *id = next_token(&rest), name[KEY_LEN];
+        if (!id) return;
+        snprintf(name, sizeof name, "field.%s", id);
+        for (char *c = name; *c; c++)
+            if (*c == ':') *c = '.';
+        kv_set(g->kv, &g->nkv, MAX_KV, name, trim(rest));
     } else if (strcmp(key, "mig") == 0) {
         unsigned long long j;
         if (!parse_u64(next_token(&rest), &j) || j >= MAX_MIG) return;
@@ -2176,6 +2185,65 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigne
     const char *list = gpu_str(g, names[counter]);
     if (!list) RET(NVML_ERROR_NOT_SUPPORTED);
     *value = list_item(list, link);
+    RET(NVML_SUCCESS);
+}
+#endif
+
+/* ======================================================================== */
+/* Field values (nvmlDeviceGetFieldValues)                                  */
+/*                                                                          */
+/* "gpu <i> field <id>[:<scope>] <value>" sets a field; a scoped statement  */
+/* wins over the unscoped one for its scope.  Each entry asked for that is  */
+/* set reads as an unsigned long long; one not set has its nvmlReturn at    */
+/* NVML_ERROR_NOT_SUPPORTED while the call itself succeeds, as drivers do.  */
+/* Error and block keys: the function name or the group "field_values".     */
+
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    signed int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType; /* nvmlValueType_t: 3 = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG */
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+#ifndef OMIT_nvmlDeviceGetFieldValues
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                             nvmlFieldValue_t *values) {
+    struct fake_gpu *g;
+    API_ENTER();
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, __func__, KEYS("field_values"), &g, NULL, NULL);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (valuesCount < 0 || (valuesCount > 0 && !values)) RET(NVML_ERROR_INVALID_ARGUMENT);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *f = &values[i];
+        char scoped[KEY_LEN], plain[KEY_LEN];
+        snprintf(scoped, sizeof scoped, "field.%u.%u", f->fieldId, f->scopeId);
+        snprintf(plain, sizeof plain, "field.%u", f->fieldId);
+        unsigned long long v;
+        f->timestamp = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+        f->latencyUsec = 0;
+        if (gpu_u64(g, scoped, &v) || gpu_u64(g, plain, &v)) {
+            f->valueType = 3;
+            f->value.ullVal = v;
+            f->nvmlReturn = NVML_SUCCESS;
+        } else {
+            f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
     RET(NVML_SUCCESS);
 }
 #endif

@@ -8,7 +8,7 @@ does.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 from gpuid_agent.facts import PlatformInfo
@@ -72,6 +72,11 @@ class NvmlApi(Protocol):
     def pcie_link_max_width(self, handle: Handle) -> int: ...
     def nvlink_state(self, handle: Handle, link: int) -> int: ...
     def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int: ...
+    # nvmlDeviceGetFieldValues: one call for many (field id, scope id) pairs; an entry the
+    # driver could not read is None
+    def field_values(
+        self, handle: Handle, fields: Sequence[tuple[int, int]]
+    ) -> list[int | None]: ...
 
     # XID events; waited on in their own thread, never the NVML reader thread
     def event_set_create(self) -> EventSet: ...

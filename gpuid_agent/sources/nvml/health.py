@@ -19,7 +19,7 @@ from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.errors import lost_error
-from gpuid_agent.sources.nvml.links import read_nvlinks, read_pcie
+from gpuid_agent.sources.nvml.links import read_link_fields, read_nvlinks, read_pcie
 from gpuid_agent.sources.nvml.signals import EccCounts, GpuHealthSignals
 
 _log = log.get("health.nvml")
@@ -52,6 +52,10 @@ class HealthReader:
             )
             if any(v is not None for v in ecc):
                 absent.pop("ecc", None)  # one counter type missing is not "no ECC"
+            nvlinks = read_nvlinks(api, self.calls, index, handle, absent=absent, failed=failed)
+            aer, nvlinks = read_link_fields(
+                api, self.calls, index, handle, nvlinks, absent=absent, failed=failed
+            )
             return GpuHealthSignals(
                 index=index,
                 uuid=uuid,
@@ -62,7 +66,8 @@ class HealthReader:
                 fabric=get("fabric", api.fabric_info, handle),
                 persistence_mode=get("persistence_mode", api.persistence_mode, handle),
                 pcie=read_pcie(api, self.calls, index, handle, absent=absent, failed=failed),
-                nvlinks=read_nvlinks(api, self.calls, index, handle, absent=absent, failed=failed),
+                nvlinks=nvlinks,
+                pcie_aer=aer,
                 absent=MappingProxyType(absent),
                 failed=MappingProxyType(failed),
             )

@@ -11,7 +11,7 @@ import ctypes
 import struct
 import threading
 import uuid as uuidlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import pynvml
@@ -293,6 +293,10 @@ class PynvmlApi:
     def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int:
         return int(pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
 
+    def field_values(self, handle: Handle, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+        values = pynvml.nvmlDeviceGetFieldValues(handle, list(fields))
+        return [_field_value(v) for v in values]
+
     # ---- XID events ----------------------------------------------------------------------
 
     def event_set_create(self) -> EventSet:
@@ -358,3 +362,19 @@ def _fabric(info: Any, summary: int | None) -> FabricInfo:
         cluster_uuid=str(uuidlib.UUID(bytes=uuid)) if any(uuid) else None,
         health_summary=summary,
     )
+
+
+# nvmlValue_t member per NVML_VALUE_TYPE_* (double, uint, ulong, ulonglong, slonglong, int, ushort)
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def _field_value(value: Any) -> int | None:
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    kind = int(value.valueType)
+    if not 0 <= kind < len(_VALUE_MEMBERS):
+        return None
+    try:
+        return int(getattr(value.value, _VALUE_MEMBERS[kind]))
+    except (ValueError, OverflowError):  # a double that is NaN or infinite
+        return None

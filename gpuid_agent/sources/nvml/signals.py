@@ -13,9 +13,9 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import NamedTuple
 
-from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieAer, PcieLink
 
-__all__ = ["NVLINK_COUNTERS", "NvLink", "PcieLink"]
+__all__ = ["NVLINK_COUNTERS", "NvLink", "PcieAer", "PcieLink"]
 
 
 class RemappedRows(NamedTuple):
@@ -86,6 +86,7 @@ class GpuHealthSignals:
     persistence_mode: int | None = None
     pcie: PcieLink | None = None
     nvlinks: tuple[NvLink, ...] | None = None  # None: the GPU has no NVLink
+    pcie_aer: PcieAer | None = None
     pcie_replays: int | None = None  # the telemetry read's counter, for the PCIe check
     utilization: float | None = None  # GPU busy percent from the telemetry read
     lost: str | None = None  # a call said GPU_IS_LOST / RESET_REQUIRED

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
@@ -20,6 +21,9 @@ from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.nvml.xid import XidWatcher
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.verdicts import NodeHealth, Transition
+
+if TYPE_CHECKING:
+    from gpuid_agent.state.health.kernel import KernelLogWatch
 
 _log = log.get("health")
 EXPECTED_CONFIGURED = "EXPECTED_GPU_COUNT"
@@ -39,6 +43,7 @@ class HealthConfig:
     xid_repeat_window: float
     expected_gpu_count: int  # -1: from the kubelet or the DRA ResourceSlices
     collect_interval: float
+    kernel_log: str = ""  # KERNEL_LOG; empty: the kernel log is not read
 
 
 class HealthMonitor:
@@ -55,7 +60,13 @@ class HealthMonitor:
             pcie_replay_threshold=config.pcie_replay_threshold,
             xid_repeat_count=config.xid_repeat_count,
             xid_repeat_window=config.xid_repeat_window,
+            kernel_log=bool(config.kernel_log),
         )
+        self.kernel: KernelLogWatch | None = None
+        if config.kernel_log:  # imported only when asked for: off costs nothing
+            from gpuid_agent.state.health.kernel import KernelLogWatch
+
+            self.kernel = KernelLogWatch(config.kernel_log, self.tracker, board)
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
         # long stopping the XID thread takes.

@@ -23,13 +23,15 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 
 from gpuid_agent.facts import GpuIdentity
-from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieLink, XidEvent
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieAer, PcieLink, XidEvent
 from gpuid_agent.state.health import checks as rules
+from gpuid_agent.state.health.check_states import CheckStates
 from gpuid_agent.state.health.fabric import fabric_verdict
 from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
+from gpuid_agent.state.health.nvlink_models import expected_nvlinks
+from gpuid_agent.state.health.nvswitch import SwitchErrors
 from gpuid_agent.state.health.verdicts import (
     GPU_CHECKS,
-    CheckStatus,
     GpuHealth,
     NodeHealth,
     Transition,
@@ -37,46 +39,6 @@ from gpuid_agent.state.health.verdicts import (
     worst,
 )
 from gpuid_agent.state.health.xid import XidClass, classify_xid, escalate
-
-# Entering one of these states is not news when a check is first evaluated.
-_QUIET_START = ("healthy", "not_supported")
-
-
-@dataclass(slots=True)
-class _Checks:
-    current: dict[str, CheckStatus] = field(default_factory=dict)
-    reported: dict[str, CheckStatus] = field(default_factory=dict)
-
-    def apply(
-        self, verdicts: Mapping[str, Verdict], wall: datetime
-    ) -> tuple[list[tuple[str, CheckStatus, CheckStatus | None]], bool]:
-        """Apply verdicts: (check, current, previously reported) for each transition to
-        report, and whether anything shown changed at all."""
-        changed = []
-        dirty = False
-        for name, verdict in verdicts.items():
-            previous = self.current.get(name)
-            key = (verdict.state, verdict.action)
-            if previous is not None and previous.key == key:
-                if previous.reason != verdict.reason:  # same state, fresher wording
-                    self.current[name] = CheckStatus(
-                        verdict.state, verdict.reason, verdict.action, previous.since
-                    )
-                    dirty = True
-                continue
-            current = CheckStatus(verdict.state, verdict.reason, verdict.action, wall)
-            self.current[name] = current
-            dirty = True
-            if verdict.state == "unknown":
-                continue
-            reported = self.reported.get(name)
-            self.reported[name] = current
-            if reported is None and verdict.state in _QUIET_START:
-                continue
-            if reported is not None and reported.key == key:
-                continue
-            changed.append((name, current, reported))
-        return changed, dirty
 
 
 @dataclass(slots=True)
@@ -86,26 +48,40 @@ class _Gpu:
     serial: str | None
     window: float
     replay_threshold: int = 0
-    states: _Checks = field(default_factory=_Checks)
+    name: str | None = None  # NVML's model name: what NVLinks the GPU should have
+    states: CheckStates = field(default_factory=CheckStates)
     ecc_corrected: rules.CounterWindow = field(init=False)
     ecc_uncorrected: rules.CounterWindow = field(init=False)
     clocks: rules.ReasonWindow = field(init=False)
     xid_counts: Counter[int] = field(default_factory=Counter)
     last_xid: int | None = None
-    latched: XidClass | None = None
+    latches: list[XidClass] = field(default_factory=list)
     recent: list[tuple[float, XidClass]] = field(default_factory=list)
+    # XIDs counted from one source (NVML event, kernel log line) that the other may still
+    # report: (when, source, class judged)
+    unpaired: list[tuple[float, str, XidClass]] = field(default_factory=list)
+    off_bus: str | None = None  # the kernel said the GPU fell off the bus
     xid_times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
     pcie: PcieWatch = field(init=False)
     nvlink: NvLinkWatch = field(init=False)
     pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
     nvlinks: tuple[NvLink, ...] = ()
+    pcie_aer: PcieAer | None = None
 
     def __post_init__(self) -> None:
         self.ecc_corrected = rules.CounterWindow(self.window)
         self.ecc_uncorrected = rules.CounterWindow(self.window)
         self.clocks = rules.ReasonWindow(self.window)
         self.pcie = PcieWatch(self.window, self.replay_threshold)
-        self.nvlink = NvLinkWatch(self.window)
+        self.nvlink = NvLinkWatch(self.window, expected_nvlinks(self.name))
+
+    @property
+    def latched(self) -> XidClass | None:
+        return rules.worst_xid(self.latches)
+
+
+# An NVML event and a kernel log line of the same XID on the same GPU this close are one XID
+PAIR_WINDOW = 5.0
 
 
 class HealthTracker:
@@ -117,6 +93,7 @@ class HealthTracker:
         pcie_replay_threshold: int = 0,
         xid_repeat_count: int = 0,
         xid_repeat_window: float = 3600.0,
+        kernel_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -128,10 +105,12 @@ class HealthTracker:
         self._clock = clock
         self._wall = wall
         self._gpus: dict[str, _Gpu] = {}
-        self._node = _Checks()
+        self._node = CheckStates()
         self._xid_unsupported: Mapping[int, str] = MappingProxyType({})
         self._xid_unavailable: str | None = None
         self._snapshot: NodeHealth | None = NodeHealth()
+        self.kernel_log = kernel_log  # XIDs come from the kernel log too: pair them up
+        self.switches = SwitchErrors(xid_hold)  # NVSwitch SXIDs, from the kernel log
 
     # ---- inputs --------------------------------------------------------------------------
 
@@ -164,7 +143,12 @@ class HealthTracker:
                     state.uuid, state.serial = gpu.uuid, gpu.serial
                 else:
                     state = _Gpu(
-                        gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold
+                        gpu.uuid,
+                        gpu.index,
+                        gpu.serial,
+                        self.window,
+                        self.pcie_replay_threshold,
+                        gpu.name,
                     )
                 self._gpus[gpu.uuid] = state
                 self._snapshot = None
@@ -182,32 +166,77 @@ class HealthTracker:
             del self._gpus[uuid]  # gone from the node: the count check speaks for it
             self._snapshot = None
         usable = len(gpus) - unusable
-        count = rules.gpu_count_verdict(usable, expected_gpus, expected_source)
-        transitions.extend(self._apply_node({"gpu_count": count}, wall))
+        node = {"gpu_count": rules.gpu_count_verdict(usable, expected_gpus, expected_source)}
+        if self.kernel_log:
+            node["nvswitch"] = self.switches.verdict(now)
+        transitions.extend(self._apply_node(node, wall))
         return transitions
 
-    def record_xid(self, event: XidEvent) -> list[Transition]:
-        """Count an XID and re-judge its GPU's XID check at once (not at the next tick)."""
+    def record_xid(
+        self, event: XidEvent, judged: XidClass | None = None, source: str = "nvml"
+    ) -> list[Transition]:
+        """Count an XID and re-judge its GPU's XID check at once (not at the next tick).
+
+        With the kernel log on, the same XID arrives twice, as an NVML event and as a kernel
+        line (`source` "kernel", `judged` from what the line says): whichever comes second
+        within PAIR_WINDOW is not counted again, and a line's judgement replaces the event's.
+        """
         state = self._gpus.get(event.uuid)
         if state is None:
             return []
-        state.xid_counts[event.code] += 1
-        state.last_xid = event.code
+        now = self._clock()
+        cls = judged or classify_xid(event.code)
+        paired = self._pair(state, source, cls, now)
+        if paired is not None and source != "kernel":
+            return []  # the kernel line already counted and judged it
+        if paired is not None:  # take back what the event's judgement added
+            state.latches = [c for c in state.latches if c is not paired]
+            state.recent = [(t, c) for t, c in state.recent if c is not paired]
+        else:
+            state.xid_counts[event.code] += 1
+            state.last_xid = event.code
         self._snapshot = None
-        cls = self._repeated(state, classify_xid(event.code))
+        cls = self._repeated(state, cls, counted=paired is None)
+        if paired is None and self.kernel_log:  # as judged, so its twin can take it back
+            state.unpaired.append((now, source, cls))
         if cls.state != "healthy":
             if cls.latched:
-                state.latched = rules.worst_xid([c for c in (state.latched, cls) if c])
+                state.latches.append(cls)
             else:
-                state.recent.append((self._clock(), cls))
-        verdict = self._xid_verdict(state, self._clock())
+                state.recent.append((now, cls))
+        verdict = self._xid_verdict(state, now)
         return self._apply(state, {"xid": verdict}, self._wall())
 
-    def _repeated(self, state: _Gpu, cls: XidClass) -> XidClass:
+    @staticmethod
+    def _pair(state: _Gpu, source: str, cls: XidClass, now: float) -> XidClass | None:
+        """The class an XID from the other source was given, if it is this one's twin."""
+        state.unpaired = [u for u in state.unpaired if now - u[0] < PAIR_WINDOW]
+        for i, (_, other, seen) in enumerate(state.unpaired):
+            if other != source and seen.code == cls.code:
+                del state.unpaired[i]
+                return seen
+        return None
+
+    def mark_off_bus(self, uuid: str, reason: str) -> list[Transition]:
+        """The kernel says the GPU fell off the bus: lost until the agent restarts."""
+        state = self._gpus.get(uuid)
+        if state is None or state.off_bus is not None:
+            return []
+        state.off_bus = reason
+        return self._apply(state, {"lost": rules.lost_verdict(reason)}, self._wall())
+
+    def record_sxid(self, fatal: bool, reason: str) -> list[Transition]:
+        """An NVSwitch error from the kernel log, judged at once."""
+        now = self._clock()
+        self.switches.add(now, fatal, reason)
+        return self._apply_node({"nvswitch": self.switches.verdict(now)}, self._wall())
+
+    def _repeated(self, state: _Gpu, cls: XidClass, counted: bool = True) -> XidClass:
         """`cls`, one action step stronger once its code repeated often enough."""
         now = self._clock()
         seen = state.xid_times.setdefault(cls.code, deque())
-        seen.append(now)
+        if counted:
+            seen.append(now)
         while seen and seen[0] <= now - self.xid_repeat_window:
             seen.popleft()
         if self.xid_repeat_count <= 0 or len(seen) < self.xid_repeat_count:
@@ -218,13 +247,14 @@ class HealthTracker:
 
     def _xid_verdict(self, state: _Gpu, now: float) -> Verdict:
         state.recent = [(t, c) for t, c in state.recent if now - t < self.xid_hold]
-        active = rules.worst_xid([c for c in (state.latched,) if c] + [c for _, c in state.recent])
+        active = rules.worst_xid([*state.latches, *(c for _, c in state.recent)])
         unsupported = self._xid_unavailable or self._xid_unsupported.get(state.index)
         return rules.xid_verdict(active, unsupported)
 
     def _gpu_verdicts(
         self, state: _Gpu, sig: GpuHealthSignals | None, lost: str | None, now: float
     ) -> dict[str, Verdict]:
+        lost = lost or state.off_bus
         verdicts: dict[str, Verdict] = {
             "lost": rules.lost_verdict(lost),
             "xid": self._xid_verdict(state, now),
@@ -250,12 +280,12 @@ class HealthTracker:
         return verdicts
 
     def _pcie(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
-        if state.pcie_link != sig.pcie:
-            state.pcie_link = sig.pcie
+        if (state.pcie_link, state.pcie_aer) != (sig.pcie, sig.pcie_aer):
+            state.pcie_link, state.pcie_aer = sig.pcie, sig.pcie_aer
             self._snapshot = None
         if sig.pcie is None:
             return self._missing(sig, "pcie_link")
-        return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now)
+        return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now, sig.pcie_aer)
 
     def _nvlink(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
         links = sig.nvlinks or ()
@@ -354,6 +384,7 @@ class HealthTracker:
                         last_xid=s.last_xid,
                         pcie=s.pcie_link,
                         nvlinks=s.nvlinks,
+                        pcie_aer=s.pcie_aer,
                     )
                 )
             self._snapshot = NodeHealth(tuple(gpus), MappingProxyType(dict(self._node.current)))
