@@ -187,10 +187,45 @@ def build_image(base: str, tag: str = IMAGE) -> str:
     return tag
 
 
+VENV = "/opt/gpuid-agent"
+
+
+def export_venv(ref: str, target: Path) -> Path:
+    """The image's venv copied out, its interpreter links pointed at this machine's Python of
+    the same version, so an SBOM tool can run it and read what it has installed."""
+    created = run(["podman", "create", ref], step="podman create").strip()
+    try:
+        shutil.rmtree(target, ignore_errors=True)
+        run(["podman", "cp", f"{created}:{VENV}", str(target)], step="podman cp")
+    finally:
+        run(["podman", "rm", created], step="podman rm")
+    (lib,) = (target / "lib").glob("python3.*")
+    here = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if lib.name != here:
+        raise BuildError(f"the image's venv is {lib.name}; run this with {lib.name}, not {here}")
+    base = Path(getattr(sys, "_base_executable", sys.executable))
+    for name in ("python", "python3", here):
+        link = target / "bin" / name
+        link.unlink(missing_ok=True)
+        link.symlink_to(base)
+    cfg = target / "pyvenv.cfg"
+    lines = [ln for ln in cfg.read_text().splitlines() if not ln.startswith("home")]
+    cfg.write_text("\n".join([f"home = {base.parent}", *lines]) + "\n")
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default=IMAGE)
+    parser.add_argument("--export-venv", type=Path, help="only copy the built image's venv out")
     args = parser.parse_args()
+    if args.export_venv:
+        try:
+            print(export_venv(args.tag, args.export_venv))
+        except BuildError as exc:
+            print(f"image venv: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         started = time.monotonic()
         ensure_tools()
