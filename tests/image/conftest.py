@@ -45,7 +45,7 @@ def gpus() -> fakenvml.FakeNvmlConfig:
 @pytest.fixture(scope="session")
 def nvml_injection(
     tmp_path_factory: pytest.TempPathFactory, gpus: fakenvml.FakeNvmlConfig
-) -> Iterator[tuple[str, ...]]:
+) -> tuple[str, ...]:
     """podman arguments standing for the toolkit's injection: the library bind-mounted
     read-only where the driver's goes, and the fake's GPU description beside it."""
     build = tmp_path_factory.mktemp("fakenvml-image")
@@ -54,7 +54,7 @@ def nvml_injection(
     gpus.write(config_dir / "gpus.conf")
     config_dir.chmod(0o755)
     (config_dir / "gpus.conf").chmod(0o644)
-    yield (
+    return (
         "--volume",
         f"{lib}:{NVML_IN_CONTAINER}:ro",
         "--volume",

@@ -205,7 +205,7 @@ def security_args(
 ) -> list[str]:
     user = merged.get("runAsUser")
     if user is None:
-        user = image_user.split(":")[0] or "0"
+        user = image_user.split(":", maxsplit=1)[0] or "0"
     if merged.get("runAsNonRoot"):
         if not str(user).isdigit():
             raise Refused(f"{name}: image has non-numeric user {user!r}, runAsNonRoot")

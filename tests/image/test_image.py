@@ -78,7 +78,7 @@ async def test_run_with_injected_nvml_emits_a_reading_per_gpu(
             return {r["gpu"] for r in readings(logs)} >= serials
 
         await eventually(all_read, within=60, step=0.5, what="a reading per fake GPU")
-        code, out = await podman("stop", "--time", "20", name)
+        _, out = await podman("stop", "--time", "20", name)
         _, code_text = await podman("inspect", "--format", "{{.State.ExitCode}}", name)
         assert code_text.strip() == "0", out
         _, logs = await podman("logs", name)
