@@ -21,7 +21,10 @@ FAKE_CONFIG_DIR = "/run/fake-nvml"
 
 @pytest.fixture(scope="session")
 def image() -> str:
-    return os.environ["GPUID_AGENT_IMAGE"]
+    ref = os.environ.get("GPUID_AGENT_IMAGE")
+    if not ref:
+        pytest.skip("GPUID_AGENT_IMAGE not set: `nox -s image` builds the image and sets it")
+    return ref
 
 
 @pytest.fixture(scope="session")
