@@ -1,4 +1,4 @@
-"""Project automation: `nox -s lint tests` (what CI runs), `image`, `bench`, `docs`, `sbom`,
+"""Project automation: `nox -s lint tests image` (what CI runs), `bench`, `docs`, `sbom`,
 `proto`."""
 
 from __future__ import annotations
