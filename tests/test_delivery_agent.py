@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,3 +260,37 @@ async def test_readyz_polls_open_no_database_connection(
     touched = [dict(a) for a in activity if a["state_change"] and a["state_change"] >= since]
     assert touched == []
     FIGURES["readyz"] = {"polls": 100, "agent_backends": len(activity), "touched": 0}
+
+
+async def test_an_outage_is_logged_once_while_status_counts_what_it_holds(
+    agent: Any, tmp_path: Path, receiver: Receiver
+) -> None:
+    """Batches held and failed attempts move every second of an outage: /status shows them,
+    the log says the outage began once and ended once."""
+    running: Running = await agent(
+        EXPORTER_TYPE="http", HTTP_ENDPOINT=receiver.url, SPOOL_DIR=str(tmp_path / "spool")
+    )
+    await eventually(lambda: len(receiver.accepted_ids()) >= 20)
+    receiver.default = Reply(status=503, body="receiver down")
+    down_at, held = time.monotonic(), set()
+
+    async def held_for_a_while() -> bool:
+        component = (await running.exporter("http"))["component"]
+        if component["state"] == "degraded":
+            held.add(component["figures"]["batches_held"])
+        return len(held) >= 5 and time.monotonic() - down_at > 6
+
+    await eventually(held_for_a_while, within=60)
+    receiver.default = Reply()
+    await eventually(lambda: _ok(running, "http"), within=30)
+    lines = [json.loads(x) for x in (tmp_path / "agent.log").read_text().splitlines()]
+    about_http = [x for x in lines if "http" in (x.get("exporter"), x.get("target", "")[9:])]
+    warnings = [x["msg"] for x in about_http if x["level"] in ("warning", "error")]
+    FIGURES["outage"] = {"batches_held_seen": sorted(held), "warning_lines": warnings}
+    print(FIGURES["outage"])
+    # the keeper's state change, the board's, and the outage's first failed attempt
+    assert sorted(warnings) == [
+        "export attempt failed",
+        "exporter degraded",
+        "exporter:http is degraded",
+    ]
