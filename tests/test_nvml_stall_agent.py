@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -49,6 +49,7 @@ def _classify(exc: grpc.aio.AioRpcError) -> PodResourcesError:
 class PodResourcesClient:
     def __init__(self, socket_path: str, *, timeout: float) -> None:
         self.socket_path = socket_path
+        self._target = f"unix://{os.path.abspath(socket_path)}"
         self.timeout = timeout
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -71,9 +72,7 @@ class PodResourcesClient:
             self._dialled = socket
             await self.reset()
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                f"unix://{os.path.abspath(self.socket_path)}", options=_CHANNEL_OPTIONS
-            )
+            self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
             self._stub = _STUB(self._channel)
         return self._stub
 
