@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,3 +294,56 @@ async def test_an_outage_is_logged_once_while_status_counts_what_it_holds(
         "exporter degraded",
         "exporter:http is degraded",
     ]
+
+
+async def test_a_broken_allocations_table_holds_allocations_while_readings_flow(
+    agent: Any, tmp_path: Path, postgres: PostgresCluster, pg_schema: str
+) -> None:
+    """An allocations table an older version left without a column: readings keep reaching
+    their table, the allocations wait in the spool, the exporter says which table and what
+    to do; once the column is added they arrive."""
+    from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
+
+    r, a = f"{pg_schema}.gpu_readings", f"{pg_schema}.gpu_allocations"
+    maker = PostgresExporter(
+        **postgres.connect_kwargs(),  # type: ignore[arg-type]
+        sslmode="disable",
+        tables=Tables.named(r, "gpu_allocations", "gpu_events"),
+    )
+    await maker.export([])  # the tables as this version makes them
+    await maker.close()
+    db = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
+    try:
+        await db.execute(f"ALTER TABLE {a} DROP COLUMN pod")
+        running: Running = await agent(
+            **postgres.env(),
+            EXPORTER_TYPE="postgres",
+            POSTGRES_TABLE=r,
+            POSTGRES_AUTO_MIGRATE="false",
+            SPOOL_DIR=str(tmp_path / "spool"),
+        )
+
+        async def readings() -> int:
+            return int(await db.fetchval(f"SELECT count(*) FROM {r}"))
+
+        async def degraded() -> dict[str, Any] | None:
+            postgres_ = await running.exporter("postgres")
+            return postgres_ if postgres_["component"]["state"] == "degraded" else None
+
+        reason = (await eventually(degraded, within=30))["component"]["reason"]
+        assert a in reason and '"pod"' in reason and "set POSTGRES_AUTO_MIGRATE=true" in reason
+        first = await eventually(readings, within=30)
+        await eventually(lambda: _more(readings, first), within=30)  # still flowing
+        assert await db.fetchval(f"SELECT count(*) FROM {a}") == 0
+        await db.execute(f"ALTER TABLE {a} ADD COLUMN pod VARCHAR(255)")
+        await eventually(lambda: _ok(running, "postgres"), within=60)
+        held = await db.fetchval(f"SELECT count(*) FROM {a} WHERE pod IS NOT NULL")
+        FIGURES["broken_table"] = {"readings_while_broken": first, "allocations_after": held}
+        print(FIGURES["broken_table"])
+        assert held > 0
+    finally:
+        await db.close()
+
+
+async def _more(count: Callable[[], Awaitable[int]], than: int) -> bool:
+    return await count() > than
