@@ -35,7 +35,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.monitor import HealthConfig, HealthMonitor, log_transitions
 from gpuid_agent.state.health.verdicts import Transition
 from gpuid_agent.state.health.workloads import with_holders
-from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.inventory import build_inventory, shared_uuids
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
 
 _log = log.get("collector")
@@ -208,11 +208,18 @@ class Collector:
         self._publish("collection", transitions)
         self._metrics.set_gpus(len(inventory.gpus))
         self._metrics.nvml_up.set(1)
+        problems = []
         if reading.lost:
-            lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))
-            self._board.set("nvml", "degraded", f"unreadable: {lost}")
-        else:
-            self._board.set("nvml", "ok")
+            problems.append("unreadable: " + ", ".join(f"GPU {i}" for i in sorted(reading.lost)))
+        shared = shared_uuids(inventory.gpus)
+        if shared:
+            self._metrics.collection_errors.labels("duplicate_uuid").inc(len(shared))
+            problems += [
+                f"GPUs {', '.join(map(str, indexes))} report one UUID {uuid}: "
+                "its holders are attributed to none of them"
+                for uuid, indexes in sorted(shared.items())
+            ]
+        self._board.set("nvml", "degraded" if problems else "ok", "; ".join(problems) or None)
         return True
 
     async def _check_health(
