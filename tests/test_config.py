@@ -208,10 +208,12 @@ _SECRETISH = st.text(
 def test_no_invalid_value_is_ever_echoed(field: str, value: str) -> None:
     """Any setting given a secret-looking value it cannot take: the error names the variable
     and says what is wrong, and the value appears nowhere in it."""
+    error: ConfigError | None = None
     with mock.patch.dict(os.environ, {field.upper(): value}):
         try:
             load_settings()
         except ConfigError as exc:
-            assert field.upper() in exc.problems
-            assert value not in str(exc)
-            assert value.lower() not in str(exc).lower()
+            error = exc
+    if error is not None:
+        assert field.upper() in error.problems
+        assert value.lower() not in str(error).lower()
