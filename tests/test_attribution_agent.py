@@ -290,3 +290,52 @@ async def test_a_scrape_only_serves_prepared_bytes(
     assert dict(kubelet.calls) == calls
     assert len(bodies) == 1
     assert b'pod="p"' in bodies.pop()
+
+
+async def test_two_gpus_with_one_uuid_are_reported_and_attributed_to_neither(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet
+) -> None:
+    config = fakenvml.h100x8()
+    shared = config.gpus[0].uuid or ""
+    config.gpus[1].uuid = shared  # a driver or firmware fault NVML passes on
+    fake_nvml.apply(config)
+    other = config.gpus[2].uuid or ""
+    kubelet.pods = [
+        pod("a", "by-uuid", "c", "nvidia.com/gpu", shared),
+        pod("a", "by-index", "c", "nvidia.com/gpu", "1"),
+        pod("a", "fine", "c", "nvidia.com/gpu", other),
+    ]
+    out = io.BytesIO()
+    agent = Agent(
+        settings(pod_resources_socket=kubelet.socket_path, pod_resources_interval=0.05),
+        nvml_api=PynvmlApi(str(fake_nvml.lib_path)),
+        exporters=[StdoutExporter(out)],
+    )
+    async with running_agent(agent):
+        await eventually(lambda: len(agent.attributor.current.unmapped) == 2)
+        await eventually(lambda: rendered_with_pods(agent))
+        families = await scrape(agent)
+        own = await scrape(agent, "/metrics")
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{agent.bound_port}/status") as resp,
+        ):
+            status = orjson.loads(await resp.read())
+    nvml = status["components"]["nvml"]
+    assert (
+        nvml["state"] == "degraded"
+        and f"GPUs 0, 1 report one UUID {shared.lower()}" in (nvml["reason"])
+    )
+    errors = {s.labels["reason"]: s.value for s in own["gpuid_collection_errors"].samples}
+    assert errors["duplicate_uuid"] >= 1
+    unmapped = {(u["pod"], u["reason"]) for u in status["attribution"]["unmapped"]}
+    assert unmapped == {("a/by-uuid", "ambiguous_uuid"), ("a/by-index", "ambiguous_uuid")}
+    # neither GPU's series names a holder of the shared UUID; the others are as usual
+    seen = holders(families)
+    assert seen[(shared, "")] == NOBODY and seen[(other, "")] == {("a", "fine", "c")}
+    # each GPU keeps its own index-based identity in the records
+    records = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    readings = {(r["index"], r["pci_bus_id"]) for r in records if r.get("uuid") == shared}
+    assert {index for index, _ in readings} == {0, 1} and len(readings) == 2
+    allocations = [r for r in records if r["kind"] == "allocation"]
+    assert {r["pod"] for r in allocations} == {"fine"}

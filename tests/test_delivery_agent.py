@@ -9,7 +9,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,90 @@ async def test_readyz_polls_open_no_database_connection(
     touched = [dict(a) for a in activity if a["state_change"] and a["state_change"] >= since]
     assert touched == []
     FIGURES["readyz"] = {"polls": 100, "agent_backends": len(activity), "touched": 0}
+
+
+async def test_an_outage_is_logged_once_while_status_counts_what_it_holds(
+    agent: Any, tmp_path: Path, receiver: Receiver
+) -> None:
+    """Batches held and failed attempts move every second of an outage: /status shows them,
+    the log says the outage began once and ended once."""
+    running: Running = await agent(
+        EXPORTER_TYPE="http", HTTP_ENDPOINT=receiver.url, SPOOL_DIR=str(tmp_path / "spool")
+    )
+    await eventually(lambda: len(receiver.accepted_ids()) >= 20)
+    receiver.default = Reply(status=503, body="receiver down")
+    down_at, held = time.monotonic(), set()
+
+    async def held_for_a_while() -> bool:
+        component = (await running.exporter("http"))["component"]
+        if component["state"] == "degraded":
+            held.add(component["figures"]["batches_held"])
+        return len(held) >= 5 and time.monotonic() - down_at > 6
+
+    await eventually(held_for_a_while, within=60)
+    receiver.default = Reply()
+    await eventually(lambda: _ok(running, "http"), within=30)
+    lines = [json.loads(x) for x in (tmp_path / "agent.log").read_text().splitlines()]
+    about_http = [x for x in lines if "http" in (x.get("exporter"), x.get("target", "")[9:])]
+    warnings = [x["msg"] for x in about_http if x["level"] in ("warning", "error")]
+    FIGURES["outage"] = {"batches_held_seen": sorted(held), "warning_lines": warnings}
+    print(FIGURES["outage"])
+    # the keeper's state change, the board's, and the outage's first failed attempt
+    assert sorted(warnings) == [
+        "export attempt failed",
+        "exporter degraded",
+        "exporter:http is degraded",
+    ]
+
+
+async def test_a_broken_allocations_table_holds_allocations_while_readings_flow(
+    agent: Any, tmp_path: Path, postgres: PostgresCluster, pg_schema: str
+) -> None:
+    """An allocations table an older version left without a column: readings keep reaching
+    their table, the allocations wait in the spool, the exporter says which table and what
+    to do; once the column is added they arrive."""
+    from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
+
+    r, a = f"{pg_schema}.gpu_readings", f"{pg_schema}.gpu_allocations"
+    maker = PostgresExporter(
+        **postgres.connect_kwargs(),  # type: ignore[arg-type]
+        sslmode="disable",
+        tables=Tables.named(r, "gpu_allocations", "gpu_events"),
+    )
+    await maker.export([])  # the tables as this version makes them
+    await maker.close()
+    db = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
+    try:
+        await db.execute(f"ALTER TABLE {a} DROP COLUMN pod")
+        running: Running = await agent(
+            **postgres.env(),
+            EXPORTER_TYPE="postgres",
+            POSTGRES_TABLE=r,
+            POSTGRES_AUTO_MIGRATE="false",
+            SPOOL_DIR=str(tmp_path / "spool"),
+        )
+
+        async def readings() -> int:
+            return int(await db.fetchval(f"SELECT count(*) FROM {r}"))
+
+        async def degraded() -> dict[str, Any] | None:
+            postgres_ = await running.exporter("postgres")
+            return postgres_ if postgres_["component"]["state"] == "degraded" else None
+
+        reason = (await eventually(degraded, within=30))["component"]["reason"]
+        assert a in reason and '"pod"' in reason and "set POSTGRES_AUTO_MIGRATE=true" in reason
+        first = await eventually(readings, within=30)
+        await eventually(lambda: _more(readings, first), within=30)  # still flowing
+        assert await db.fetchval(f"SELECT count(*) FROM {a}") == 0
+        await db.execute(f"ALTER TABLE {a} ADD COLUMN pod VARCHAR(255)")
+        await eventually(lambda: _ok(running, "postgres"), within=60)
+        held = await db.fetchval(f"SELECT count(*) FROM {a} WHERE pod IS NOT NULL")
+        FIGURES["broken_table"] = {"readings_while_broken": first, "allocations_after": held}
+        print(FIGURES["broken_table"])
+        assert held > 0
+    finally:
+        await db.close()
+
+
+async def _more(count: Callable[[], Awaitable[int]], than: int) -> bool:
+    return await count() > than

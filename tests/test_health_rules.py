@@ -555,7 +555,7 @@ def test_fault_specs() -> None:
         Fault("lost", 3, delay=120.0),
         Fault("thermal", 1),
     ]
-    with pytest.raises(ValueError, match=r"unknown fault kind 'melt'.*bad fault 'gpu2'"):
+    with pytest.raises(ValueError, match=r"entry 1: unknown fault kind.*entry 2: bad fault"):
         parse_faults(["melt:gpu1", "gpu2"])
 
 

@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from gpuid_agent.sources.nvml.source import MAX_HUNG_THREADS
 from tests import fakenvml
 from tests.fakenvml.fixtures import FakeNvml
 from tests.waiting import eventually
@@ -130,6 +132,19 @@ async def test_hung_nvml_call_fails_liveness_and_does_not_hold_shutdown(
 
         assert "power_usage_mw" in (await eventually(nvml_stalled, within=30))["reason"]
         assert agent.proc.poll() is None
+
+        # The hang goes on: /status counts its seconds, the log says it once.
+        async def stalled_for(seconds: int) -> bool:
+            for _ in range(3):  # probes, as the kubelet's would be
+                await agent.get("/healthz")
+            figures = (await agent.get("/status"))[1]["components"]["collector"].get("figures")
+            return bool(figures and figures["running_s"] >= seconds)
+
+        await eventually(lambda: stalled_for(5), within=30)
+        lines = [json.loads(x)["msg"] for x in agent.log.read_text().splitlines() if x[:1] == "{"]
+        print(f"\nstall log lines: {Counter(lines)}")
+        assert lines.count("collector is stalled") == 1
+        assert lines.count("nvml is stalled") <= MAX_HUNG_THREADS + 1  # one per call given up
 
         to_exit = await agent.terminate()
         print(f"\nhang to /healthz 503: {to_503:.2f}s; SIGTERM to exit: {to_exit:.2f}s")

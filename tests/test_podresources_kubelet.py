@@ -276,3 +276,36 @@ async def test_kubelet_without_get_allocatable(kubelet: FakeKubelet) -> None:
         assert kubelet.calls["List"] == 3
     finally:
         await src.client.close()
+
+
+async def test_a_restarted_kubelet_is_asked_its_allocatable_devices_again(
+    kubelet: FakeKubelet,
+) -> None:
+    """A kubelet restarted between two polls (no poll saw it down) may come back with other
+    devices: the new socket is noticed and its allocatable devices read at the next poll,
+    not after the 30 s the count is otherwise kept."""
+    eight = tuple(f"GPU-{i:08x}-1111-4222-8333-444444444444" for i in range(8))
+    kubelet.allocatable = (("nvidia.com/gpu", eight),)
+    src = source(kubelet.socket_path, interval=0.5)
+    assert src.allocatable_every == 30.0  # the agent's own: the count is kept between reads
+
+    def allocatable() -> int | None:
+        current = src.current()
+        return None if current is None or current.allocatable is None else len(current.allocatable)
+
+    task = asyncio.create_task(src.run())
+    try:
+        await eventually(lambda: allocatable() == 8)
+        await eventually(lambda: src.polled.is_set())
+        src.polled.clear()
+        await eventually(src.polled.is_set)  # just polled: the restart falls between polls
+        await kubelet.stop()
+        kubelet.allocatable = (("nvidia.com/gpu", eight[:4]),)
+        await kubelet.start()
+        await eventually(lambda: allocatable() == 4, within=10)
+        assert src.failure is None and (
+            metric(src, "gpuid_pod_resources_polls_total", outcome="socket_missing") is None
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -186,10 +186,13 @@ class HealthKeeper:
     def _compute(self) -> ExporterHealth:
         store = self._store
         reasons: list[str] = []
+        figures: dict[str, int] = {}
         if self.consecutive_failures:
             reasons.append(self.last_error or "failing")
+            figures["failed_attempts"] = self.consecutive_failures
             if store.batches:
-                reasons.append(f"{store.batches} batches held in {store.describe()}")
+                reasons.append(f"batches held in {store.describe()}")
+                figures["batches_held"] = store.batches
         elif self._probe is not None and not self._probe.ok:
             reasons.append(self._probe.reason or "health check failed")
         for problem in (self.store_problem, store.problem, self._store_error):
@@ -199,8 +202,13 @@ class HealthKeeper:
             reasons.append(f"intake not drained within {self._timeout}s")
         if not reasons:
             return ExporterHealth(ok=True)
+        if self.dropped_since_success:
+            figures["dropped_records"] = self.dropped_since_success
         return ExporterHealth(
-            ok=False, reason="; ".join(reasons), losing=self.dropped_since_success > 0
+            ok=False,
+            reason="; ".join(reasons),
+            losing=self.dropped_since_success > 0,
+            figures=figures,
         )
 
     def refresh(self) -> None:

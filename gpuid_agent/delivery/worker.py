@@ -133,6 +133,7 @@ class ExporterWorker:
             "name": self.name,
             "state": health.state,
             "reason": health.reason,
+            "figures": dict(health.figures),
             "store": self.store.describe(),
             "durable": self.store.durable,
             "pending": self.pending,

@@ -78,10 +78,10 @@ def _split_list(value: object) -> object:
 
 def _exporters(value: list[str]) -> list[str]:
     names = [v.lower() for v in value]
-    unknown = [n for n in names if n not in EXPORTER_NAMES]
-    if unknown:
+    unknown = [str(i) for i, n in enumerate(names, 1) if n not in EXPORTER_NAMES]
+    if unknown:  # named by position: a value in the wrong variable may be a secret
         raise ValueError(
-            f"unknown exporter(s) {', '.join(unknown)}; choose from {', '.join(EXPORTER_NAMES)}"
+            f"entry {', '.join(unknown)} is no exporter; choose from {', '.join(EXPORTER_NAMES)}"
         )
     if not names:
         raise ValueError("at least one exporter is required")

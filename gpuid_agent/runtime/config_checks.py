@@ -43,7 +43,7 @@ def _unreadable(path: str) -> str | None:
         with open(path, "rb") as fh:
             fh.read(1)
     except OSError as exc:
-        return f"cannot read {path}: {exc.strerror or exc}"
+        return f"cannot read the file it names: {exc.strerror or type(exc).__name__}"
     return None
 
 
@@ -72,7 +72,7 @@ def http_problems(settings: Settings) -> dict[str, str]:
             try:
                 ssl.create_default_context(cafile=settings.http_ca_bundle)
             except (ssl.SSLError, ValueError) as exc:
-                why = f"{settings.http_ca_bundle} holds no usable PEM certificate ({exc})"
+                why = f"the file it names holds no usable PEM certificate ({exc})"
         if why:
             problems["HTTP_CA_BUNDLE"] = why
     return problems
@@ -92,8 +92,8 @@ def server_problems(settings: Settings) -> dict[str, str]:
         socket.getaddrinfo(address, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
         return {
-            "SERVER_ADDRESS": f"{address!r} is not an IP address or a host name this node "
-            f"resolves ({exc}); e.g. 0.0.0.0, :: or 127.0.0.1"
+            "SERVER_ADDRESS": "not an IP address or a host name this node resolves "
+            f"({type(exc).__name__}); e.g. 0.0.0.0, :: or 127.0.0.1"
         }
     return {}
 
@@ -106,7 +106,8 @@ def simulation_problems(settings: Settings) -> dict[str, str]:
     count = SIMULATION_GPUS.get(settings.simulate)
     if count is None:
         return {}
-    beyond = [str(f) for f in parse_faults(settings.fault) if f.gpu >= count]
+    faults = parse_faults(settings.fault)
+    beyond = [f"entry {i} names GPU {f.gpu}" for i, f in enumerate(faults, 1) if f.gpu >= count]
     if beyond:
         return {"FAULT": f"{', '.join(beyond)}: profile {settings.simulate} has GPUs 0-{count - 1}"}
     return {}

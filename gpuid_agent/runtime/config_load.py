@@ -4,35 +4,38 @@ problem is reported at once, naming its variable (ConfigError, exit 2)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
 from gpuid_agent.runtime.config import Settings, env_name
 from gpuid_agent.runtime.config_checks import cross_checks
 from gpuid_agent.runtime.errors import ConfigError
 
 
-def _describe(error: Mapping[str, Any], secret: bool) -> str:
-    msg = str(error.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    if secret or "input" not in error or isinstance(error["input"], dict):
-        return msg
-    shown = repr(error["input"])
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return f"{msg} (got {shown})"
+def _describe(error: Mapping[str, Any]) -> str:
+    """What is wrong with a value, never the value: one pasted into the wrong variable (a
+    password in POSTGRES_PORT) would reach the terminal and the pod's logs."""
+    return str(error.get("msg", "invalid value")).removeprefix("Value error, ")
 
 
 def _problems(exc: ValidationError) -> dict[str, str]:
     problems: dict[str, str] = {}
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "?"
-        annotation = Settings.model_fields.get(field)
-        secret = annotation is not None and annotation.annotation is SecretStr
-        problems.setdefault(env_name(field), _describe(error, secret))
+        problems.setdefault(env_name(field), _describe(error))
     return problems
+
+
+def _unechoed(problems: dict[str, str], given: Mapping[str, Any]) -> dict[str, str]:
+    """Each message with its variable's own value cut out, should a check have quoted it."""
+    out = {}
+    for name, why in problems.items():
+        raw = str(given.get(name.lower()) or os.environ.get(name) or "").strip()
+        out[name] = why.replace(raw, "<the value>") if len(raw) >= 6 else why
+    return out
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
@@ -58,8 +61,8 @@ def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
             for name, why in cross_checks(rest).items():
                 if not (name == "FAULT" and "simulate" in bad):  # FAULT depends on SIMULATE
                     problems.setdefault(name, why)
-        raise ConfigError(problems) from None
+        raise ConfigError(_unechoed(problems, init)) from None
     problems = cross_checks(settings)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(_unechoed(problems, init))
     return settings

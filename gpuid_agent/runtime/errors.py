@@ -46,7 +46,12 @@ class NvmlUnavailableError(NvmlError):
 
 
 class NvmlStalledError(NvmlError):
-    """An NVML call did not return within its bound; the call's thread is given up on."""
+    """An NVML call did not return within its bound; the call's thread is given up on.
+    The message names the calls; `figures` holds what moves while they hang (seconds)."""
+
+    def __init__(self, message: str, figures: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 class GpuLostError(NvmlError):

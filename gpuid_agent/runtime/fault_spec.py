@@ -59,22 +59,21 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """One fault spec; ValueError naming what is wrong."""
+    """One fault spec; ValueError saying what is wrong (never echoing the text: a value set
+    in the wrong variable may be a secret)."""
     match = _SPEC.match(text.strip().lower())
     if match is None:
         raise ValueError(
-            f"bad fault {text!r}: expected <kind>:gpu<N>[@<delay>], "
+            "bad fault: expected <kind>:gpu<N>[@<delay>], "
             "e.g. xid79:gpu2, lost:gpu0@30s or nvlink-down:gpu0:3"
         )
     kind, code = match.group("kind"), match.group("code")
     if code is None and kind not in FAULT_KINDS:
-        raise ValueError(
-            f"unknown fault kind {kind!r}; choose from xid<code>, {', '.join(FAULT_KINDS)}"
-        )
+        raise ValueError(f"unknown fault kind; choose from xid<code>, {', '.join(FAULT_KINDS)}")
     link = int(match.group("link")) if match.group("link") is not None else None
     if (link is None) == (kind in LINK_KINDS):
         want = "needs a link: <kind>:gpu<N>:<link>" if link is None else "takes no link"
-        raise ValueError(f"bad fault {text!r}: {kind} {want}")
+        raise ValueError(f"bad fault: {kind} {want}")
     delay = 0.0
     if match.group("delay"):
         delay = float(match.group("delay")) * _UNITS[match.group("unit") or "s"]
@@ -90,11 +89,11 @@ def parse_fault(text: str) -> Fault:
 def parse_faults(items: list[str]) -> list[Fault]:
     """Every spec, reporting all bad ones at once."""
     faults, problems = [], []
-    for item in items:
+    for position, item in enumerate(items, 1):
         try:
             faults.append(parse_fault(item))
         except ValueError as exc:
-            problems.append(str(exc))
+            problems.append(f"entry {position}: {exc}")
     if problems:
         raise ValueError("; ".join(problems))
     return faults

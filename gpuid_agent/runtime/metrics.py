@@ -30,7 +30,7 @@ DROP_REASONS = (
     "unreadable",
     "shutdown",
 )
-COLLECTION_ERROR_REASONS = ("field", "gpu_lost", "init", "read", "stalled")
+COLLECTION_ERROR_REASONS = ("field", "gpu_lost", "init", "read", "stalled", "duplicate_uuid")
 # old name → new name; served alongside for one release (docs/metrics.md says so)
 DEPRECATED_ALIASES = {"gpuid_gpu_count": "gpuid_gpus"}
 

@@ -45,7 +45,7 @@ def parse_headers(text: str) -> dict[str, str]:
     headers = parse_key_values(text)
     for position, (key, value) in enumerate(headers.items(), 1):
         if _UNSAFE_IN_HEADER.search(value):
-            raise ValueError(f"header {position} ({key}): value holds a control character")
+            raise ValueError(f"header {position}: value holds a control character")
         if key.lower() in RESERVED_HEADERS:
             raise ValueError(f"header {key} is set by the exporter and cannot be configured")
     return headers

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from gpuid_agent import __version__
 from gpuid_agent.delivery.pipeline import Pipeline
 from gpuid_agent.runtime.metrics import AgentMetrics
-from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.runtime.status import Reason, StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.share_families import usage_status
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
@@ -52,7 +52,7 @@ class StatusPage:
         *,
         identity: NodeIdentity,
         bus: SnapshotBus,
-        stalled: Callable[[], str | None],
+        stalled: Callable[[], Reason | None],
         board: StatusBoard,
         supervisor: Supervisor,
         pipeline: Pipeline,
@@ -90,7 +90,8 @@ class StatusPage:
             problems.append(f"nvml: {reason}")
         healths = self._pipeline.health()
         for name, health in healths.items():
-            self._board.set(f"exporter:{name}", health.state, health.reason)
+            shown = None if health.reason is None else Reason(health.reason, health.figures)
+            self._board.set(f"exporter:{name}", health.state, shown)
         if not self._pipeline.ready(healths):
             problems.extend(f"exporter {n}: {h.reason}" for n, h in healths.items())
         ok = not problems

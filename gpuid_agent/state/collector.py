@@ -24,7 +24,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlError, NvmlStalledError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.runtime.retry import Backoff
-from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.runtime.status import Reason, StatusBoard
 from gpuid_agent.sources.nvml.reader import NvmlReading, with_health_fields
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
@@ -35,7 +35,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.health.monitor import HealthConfig, HealthMonitor, log_transitions
 from gpuid_agent.state.health.verdicts import Transition
 from gpuid_agent.state.health.workloads import with_holders
-from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.inventory import build_inventory, shared_uuids
 from gpuid_agent.state.snapshot import Cause, NodeSnapshot
 
 _log = log.get("collector")
@@ -177,7 +177,7 @@ class Collector:
                 await self.nvml.init()
             reading = await self.nvml.read()
         except NvmlStalledError as exc:
-            self._nvml_down(str(exc), "stalled", state="stalled")
+            self._nvml_down(Reason(str(exc), exc.figures), "stalled", state="stalled")
             return False
         except NvmlError as exc:
             self._nvml_down(str(exc), "read" if self.nvml.initialised else "init")
@@ -208,11 +208,18 @@ class Collector:
         self._publish("collection", transitions)
         self._metrics.set_gpus(len(inventory.gpus))
         self._metrics.nvml_up.set(1)
+        problems = []
         if reading.lost:
-            lost = ", ".join(f"GPU {i}" for i in sorted(reading.lost))
-            self._board.set("nvml", "degraded", f"unreadable: {lost}")
-        else:
-            self._board.set("nvml", "ok")
+            problems.append("unreadable: " + ", ".join(f"GPU {i}" for i in sorted(reading.lost)))
+        shared = shared_uuids(inventory.gpus)
+        if shared:
+            self._metrics.collection_errors.labels("duplicate_uuid").inc(len(shared))
+            problems += [
+                f"GPUs {', '.join(map(str, indexes))} report one UUID {uuid}: "
+                "its holders are attributed to none of them"
+                for uuid, indexes in sorted(shared.items())
+            ]
+        self._board.set("nvml", "degraded" if problems else "ok", "; ".join(problems) or None)
         return True
 
     async def _check_health(
@@ -235,7 +242,10 @@ class Collector:
         return {}, []
 
     def _nvml_down(
-        self, reason: str, stage: str, state: Literal["unavailable", "stalled"] = "unavailable"
+        self,
+        reason: str | Reason,
+        stage: str,
+        state: Literal["unavailable", "stalled"] = "unavailable",
     ) -> None:
         self._metrics.nvml_up.set(0)
         self._metrics.collection_errors.labels(stage).inc()
@@ -251,13 +261,17 @@ class Collector:
                 delay = max(self._interval, self._backoff.next())
             await asyncio.sleep(delay)
 
-    def stalled(self) -> str | None:
+    def stalled(self) -> Reason | None:
         """Why the collector counts as stalled (a pass or an NVML call past the NVML source's
-        call bound)."""
+        call bound). A hung NVML call is named first: it is the cause, and naming it whichever
+        way the pass is going keeps the words (and so the log) steady while it hangs."""
         busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self.nvml.call_timeout:
-            return f"collection running for {time.monotonic() - busy:.0f}s"
-        return self.nvml.stalled()
+        if busy is None or time.monotonic() - busy <= self.nvml.call_timeout:
+            return self.nvml.stalled()
+        # past the bound, the NVML call the pass waits on is named however long it has run
+        return self.nvml.stalled(bound=0) or Reason(
+            "collection running past its bound", {"running_s": round(time.monotonic() - busy)}
+        )
 
     # ---- events ----------------------------------------------------------------------------
 

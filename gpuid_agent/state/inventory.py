@@ -67,3 +67,12 @@ def diff(old: NodeInventory | None, new: NodeInventory) -> list[Change]:
         Change("removed", uuid, gpu, None) for uuid, gpu in before.items() if uuid not in after
     )
     return changes
+
+
+def shared_uuids(gpus: Iterable[GpuIdentity]) -> dict[str, tuple[int, ...]]:
+    """UUIDs NVML reports for more than one GPU (a driver or firmware fault), with the
+    indexes of the GPUs reporting each: a UUID is then no GPU's identity."""
+    by_uuid: dict[str, list[int]] = {}
+    for gpu in gpus:
+        by_uuid.setdefault(gpu.uuid.lower(), []).append(gpu.index)
+    return {uuid: tuple(sorted(i)) for uuid, i in by_uuid.items() if len(i) > 1}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
@@ -38,11 +38,13 @@ class BatchMeta:
 @dataclass(frozen=True, slots=True)
 class ExporterHealth:
     """`ok` False with `losing` False: failing but holding its records (degraded);
-    `losing` True: failing and dropping records (unavailable)."""
+    `losing` True: failing and dropping records (unavailable). `reason` stays the same words
+    while the same things are wrong; `figures` holds the counts that move meanwhile."""
 
     ok: bool
     reason: str | None = None
     losing: bool = False
+    figures: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def state(self) -> ExporterState:

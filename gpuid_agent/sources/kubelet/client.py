@@ -2,7 +2,11 @@
 
 The channel is dropped after any failure and rebuilt on the next call: gRPC's own reconnect
 backoff (up to minutes) would otherwise delay noticing a kubelet that restarted and recreated
-its socket.
+its socket. A kubelet that restarted between two calls fails neither, so each call also checks
+that the socket is still the one the channel dialled (its inode and change time, as a
+filesystem may give a new socket the inode just freed): a new one is dialled afresh
+and counted in `restarts`, which tells the poller that what it keeps of the old kubelet (its
+allocatable devices) is out of date.
 """
 
 from __future__ import annotations
@@ -45,22 +49,35 @@ def _classify(exc: grpc.aio.AioRpcError) -> PodResourcesError:
 class PodResourcesClient:
     def __init__(self, socket_path: str, *, timeout: float) -> None:
         self.socket_path = socket_path
+        self._target = f"unix://{os.path.abspath(socket_path)}"
         self.timeout = timeout
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._dialled: tuple[int, int, int] | None = None  # the socket last dialled
+        self.restarts = 0  # sockets replaced under this client since it first dialled one
 
-    def _connect(self) -> Any:
-        if not os.path.exists(self.socket_path):
-            raise PodResourcesError("socket_missing", f"socket {self.socket_path} does not exist")
+    async def _connect(self) -> Any:
+        try:
+            found = os.stat(self.socket_path)
+        except FileNotFoundError:
+            raise PodResourcesError(
+                "socket_missing", f"socket {self.socket_path} does not exist"
+            ) from None
+        except OSError as exc:
+            raise PodResourcesError("socket_missing", f"socket {self.socket_path}: {exc}") from exc
+        socket = (found.st_dev, found.st_ino, found.st_ctime_ns)
+        if socket != self._dialled:
+            if self._dialled is not None:
+                self.restarts += 1
+            self._dialled = socket
+            await self.reset()
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                f"unix://{os.path.abspath(self.socket_path)}", options=_CHANNEL_OPTIONS
-            )
+            self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
             self._stub = _STUB(self._channel)
         return self._stub
 
     async def _call(self, method: str, request: Any) -> Any:
-        stub = self._connect()
+        stub = await self._connect()
         try:
             return await getattr(stub, method)(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:

@@ -124,6 +124,7 @@ class PodResourcesSource:
         self.allocatable_supported: bool | None = None
         self._allocatable: Any = None
         self._allocatable_at: float | None = None
+        self._allocatable_of = 0  # the client's `restarts` when it was read: whose it is
         self._stale = False
         self._ignored_drivers: set[str] = set()
         self.changed = asyncio.Event()
@@ -198,7 +199,15 @@ class PodResourcesSource:
             _log.debug("DRA devices of a non-GPU driver ignored", extra={"driver": driver})
 
     async def _read_allocatable(self) -> Any:
-        """GetAllocatableResources now and then; kubelets before 1.21 lack it (asked once)."""
+        """GetAllocatableResources now and then, and at once from a restarted kubelet (it may
+        have other devices, or be a newer version); kubelets before 1.21 lack it (asked once
+        per kubelet)."""
+        if self.client.restarts != self._allocatable_of:
+            self._allocatable_of = self.client.restarts
+            self._allocatable_at = None
+            if self.allocatable_supported is not None:
+                _log.info("kubelet restarted; reading its allocatable devices again")
+            self.allocatable_supported = None
         if self.allocatable_supported is False:
             return None
         now = self._clock()

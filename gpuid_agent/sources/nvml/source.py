@@ -19,6 +19,7 @@ import pynvml
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import NvmlStalledError, NvmlUnavailableError
+from gpuid_agent.runtime.status import Reason
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.reader import NvmlReader, NvmlReading
 from gpuid_agent.sources.nvml.thread import NvmlThread, note_call
@@ -71,7 +72,7 @@ class NvmlSource:
         bound = self.call_timeout if within is None else within
         self._forget_finished()
         if len(self._hung) >= MAX_HUNG_THREADS:
-            raise NvmlStalledError(f"{len(self._hung)} NVML calls hung: {self._hung_reason()}")
+            raise self._stalled_error()
         worker = self._thread
         waiter = asyncio.wrap_future(worker.submit(job, fn))
         # asyncio.wait, not wait_for: wait_for (3.11) can swallow a cancellation that races
@@ -85,11 +86,11 @@ class NvmlSource:
             return cast(T, waiter.result())
         busy = worker.busy()
         what = busy[0] if busy else job
-        reason = f"NVML call {what} did not return within {bound:g}s"
         self._give_up(worker, replace)
-        self.last_error = reason
-        _log.error("NVML call hung: giving its thread up", extra={"call": what})
-        raise NvmlStalledError(reason)
+        error = self._stalled_error()
+        self.last_error = str(error)
+        _log.error("NVML call hung: giving its thread up", extra={"call": what, "bound_s": bound})
+        raise error
 
     def _give_up(self, worker: NvmlThread, replace: bool) -> None:
         worker.abandon()
@@ -103,24 +104,33 @@ class NvmlSource:
         if any(not t.alive for t in self._hung):
             self._hung = [t for t in self._hung if t.alive]
 
-    def _hung_reason(self) -> str:
-        parts = []
-        for t in self._hung:
-            busy = t.busy()
-            if busy is not None:
-                parts.append(f"{busy[0]} for {busy[1]:.0f}s")
-        return ", ".join(parts) or "returning"
+    def _stalled_error(self) -> NvmlStalledError:
+        hung = self._hung_reason()
+        figures = {**hung.figures, "calls_given_up": len(self._hung)}
+        return NvmlStalledError(f"NVML call hung: {hung.text}", figures)
 
-    def stalled(self) -> str | None:
-        """Why NVML counts as stalled: a call running past `call_timeout`, or a call given up
-        on that has not returned yet. None when neither."""
+    def _hung_reason(self, *running: tuple[str, float]) -> Reason:
+        """The calls hung (given up on, and any `running` past the bound), each named once so
+        the words stay while they hang, and the longest's seconds as a figure."""
+        busy = [*running, *(b for t in self._hung if (b := t.busy()) is not None)]
+        if not busy:
+            return Reason("returning")
+        return Reason(
+            ", ".join(sorted({call for call, _ in busy})),
+            {"running_s": round(max(seconds for _, seconds in busy))},
+        )
+
+    def stalled(self, bound: float | None = None) -> Reason | None:
+        """Why NVML counts as stalled: a call running past `bound` (`call_timeout` unless
+        given), or a call given up on that has not returned yet. None when neither."""
         self._forget_finished()
         busy = self._thread.busy()
-        if busy is not None and busy[1] > self.call_timeout:
-            return f"NVML call {busy[0]} running for {busy[1]:.0f}s"
-        if self._hung:
-            return f"NVML call hung (thread given up): {self._hung_reason()}"
-        return None
+        bound = self.call_timeout if bound is None else bound
+        running = [busy] if busy is not None and busy[1] > bound else []
+        if not running and not self._hung:
+            return None
+        hung = self._hung_reason(*running)
+        return Reason(f"NVML call hung: {hung.text}", hung.figures)
 
     # ---- the calls -------------------------------------------------------------------------
 

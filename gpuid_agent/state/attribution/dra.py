@@ -36,6 +36,8 @@ def resolve_claim(
                 return mig[0], mig[1], "dra"
             if (gpu := index.by_uuid.get(key)) is not None:
                 return gpu, None, "dra"
+            if key in index.shared:
+                raise DeviceIdError("ambiguous_uuid", "the slice's uuid is reported by two GPUs")
             raise DeviceIdError("unknown_gpu", f"slice uuid {found.uuid[:80]} names no GPU here")
     name = parse_dra_device(claim.device)
     if name.kind == "mig":

@@ -6,6 +6,14 @@ written and how re-sent records are skipped). Readings go to the gpuid-compatibl
 table, allocation records to the allocations table (one row per allocation, its end an update
 of that row), anything else to the events table.
 
+Each table takes its rows in a savepoint of its own: a table that cannot (missing, lacking a
+column, one of its own constraints) fails its kind of record alone, named with a hint true to
+POSTGRES_AUTO_MIGRATE, while the other kinds commit; the delivery then fails so the batch stays
+stored, and every retry writes the joined backlog's other rows again (each only once: record
+ids), so readings keep reaching their table while the allocations table is being fixed.
+Auto-migration creates what is missing and adds every missing column that can be added
+(nullable or with a default), from the same table definitions the writer fills.
+
 Connections are held only while delivering: the pool keeps at most one, closed after
 POSTGRES_IDLE_TIMEOUT without a delivery, and health is never probed with a connection, so a
 fleet of idle nodes holds none. The pool and the migration are set up on first use (an agent
@@ -29,8 +37,13 @@ from gpuid_agent.delivery.exporters.base import (
 )
 from gpuid_agent.delivery.exporters.postgres import rows as rowmap
 from gpuid_agent.delivery.exporters.postgres.copytext import Payload, section
-from gpuid_agent.delivery.exporters.postgres.schema import MIGRATION_LOCK, Tables, migration
-from gpuid_agent.delivery.exporters.postgres.writer import CopyWriter, Written
+from gpuid_agent.delivery.exporters.postgres.schema import (
+    MIGRATION_LOCK,
+    Tables,
+    expected_columns,
+    migration,
+)
+from gpuid_agent.delivery.exporters.postgres.writer import CopyWriter, Written, table_problem
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
@@ -63,7 +76,13 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def _classify(exc: BaseException) -> ExportError:
+def _schema_hint(auto_migrate: bool) -> str:
+    if auto_migrate:
+        return "POSTGRES_AUTO_MIGRATE adds missing nullable columns only: alter the table by hand"
+    return "create or complete the tables, or set POSTGRES_AUTO_MIGRATE=true"
+
+
+def _classify(exc: BaseException, auto_migrate: bool) -> ExportError:
     if isinstance(exc, TimeoutError):
         return ExportError(f"PostgreSQL did not answer in time: {exc}", error_type="timeout")
     if isinstance(
@@ -72,13 +91,8 @@ def _classify(exc: BaseException) -> ExportError:
         return ExportError(f"PostgreSQL refused the login: {exc}", error_type="auth")
     if isinstance(exc, _CONNECTION_ERRORS):
         return ExportError(f"PostgreSQL connection failed: {exc}", error_type="connection")
-    if isinstance(
-        exc,
-        asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError | asyncpg.InvalidSchemaNameError,
-    ):
-        return ExportError(
-            f"{exc} (create the tables, or set POSTGRES_AUTO_MIGRATE=true)", error_type="schema"
-        )
+    if isinstance(exc, asyncpg.PostgresError) and table_problem(exc):
+        return ExportError(f"{exc} ({_schema_hint(auto_migrate)})", error_type="schema")
     if isinstance(exc, asyncpg.DataError):
         # Rows are sanitised before COPY, so this is a value the schema cannot hold at all.
         return ExportError(
@@ -165,30 +179,34 @@ class PostgresExporter(Exporter):
                     server_settings={"application_name": self.application_name},
                 )
             if self.auto_migrate and not self._migrated:
-                await self.migrate(self._pool)
                 self._migrated = True
+                try:
+                    await self.migrate(self._pool)
+                except asyncpg.PostgresError as exc:
+                    if not table_problem(exc):
+                        raise
+                    # Deliver what the tables can take; the kind that cannot says why.
+                    _log.warning("PostgreSQL schema migration failed", extra={"error": str(exc)})
             return self._pool
 
     async def _schema_current(self, conn: asyncpg.Connection) -> bool:
-        """True when every table, column and unique index the exporter writes is there."""
-        t = self.tables
-        found = await conn.fetchval(
-            """SELECT count(*) FROM pg_attribute
-               WHERE attrelid = to_regclass($1) AND attname = 'attributes' AND NOT attisdropped""",
-            t.readings,
-        )
-        if not found:
-            return False
+        """True when every table and column the exporter writes is there, and the readings'
+        unique index on record_id."""
+        for table, wanted in expected_columns(self.tables).items():
+            found = await conn.fetch(
+                """SELECT attname FROM pg_attribute WHERE attrelid = to_regclass($1)
+                   AND attnum > 0 AND NOT attisdropped""",
+                table,
+            )
+            if not wanted <= {row[0] for row in found}:
+                return False
         return bool(
             await conn.fetchval(
-                """SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL
-                   AND EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a
+                """SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a
                                ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
-                               WHERE i.indrelid = to_regclass($3) AND i.indisunique
+                               WHERE i.indrelid = to_regclass($1) AND i.indisunique
                                AND a.attname = 'record_id')""",
-                t.allocations,
-                t.events,
-                t.readings,
+                self.tables.readings,
             )
         )
 
@@ -243,12 +261,21 @@ class PostgresExporter(Exporter):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = _classify(exc)
+            error = _classify(exc, self.auto_migrate)
             if error.error_type in ("connection", "timeout") and self._pool is not None:
                 await self._pool.expire_connections()  # reconnect on next use
+            if error.error_type == "schema":
+                self._migrated = False  # a table changed under the agent: migrate again
             raise error from exc
         if written.dropped:
             self._count_discarded(written)
+        if written.failed:
+            self._migrated = False
+            raise ExportError(
+                "; ".join(f"{t}: {exc}" for t, exc in sorted(written.failed.items()))
+                + f" ({_schema_hint(self.auto_migrate)}); the other tables took their rows",
+                error_type="schema",
+            )
 
     def _count_discarded(self, written: Written) -> None:
         self.discarded_records += written.dropped

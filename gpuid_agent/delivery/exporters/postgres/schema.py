@@ -56,6 +56,61 @@ def _index(table: str, suffix: str) -> str:
     return f"idx_{_bare(table)}_{suffix}"[:63]
 
 
+_NOT_IN_ORDER = ("record_id", "attributes")
+# The allocations table: the registry's columns (record_id is staged only: it lands in
+# start_record_id or end_record_id) and the table's own. A column added to the registry is
+# added to existing tables by the migration, so it must be nullable or have a default.
+ALLOCATION_TABLE: tuple[tuple[str, str], ...] = (
+    *((c.name, c.declared) for c in columns.ALLOCATIONS if c.name not in _NOT_IN_ORDER),
+    ("start_record_id", "VARCHAR(255)"),
+    ("end_record_id", "VARCHAR(255)"),
+    ("attributes", "JSONB"),
+    ("created_at", "TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()"),
+    ("updated_at", "TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()"),
+)
+EVENT_TABLE: tuple[tuple[str, str], ...] = (
+    ("id", "BIGSERIAL PRIMARY KEY"),
+    ("record_id", "VARCHAR(255) NOT NULL"),
+    ("kind", "VARCHAR(64) NOT NULL"),
+    ("cluster", "VARCHAR(255) NOT NULL DEFAULT ''"),
+    ("node", "VARCHAR(255) NOT NULL DEFAULT ''"),
+    ("machine", "VARCHAR(255) NOT NULL DEFAULT ''"),
+    ("observed_at", "TIMESTAMP WITH TIME ZONE"),
+    ("payload", "JSONB NOT NULL"),
+    ("created_at", "TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()"),
+)
+
+
+def _addable(declared: str) -> bool:
+    """A column ADD COLUMN can give a table that has rows: nullable, or with a default."""
+    upper = declared.upper()
+    return "PRIMARY KEY" not in upper and ("NOT NULL" not in upper or "DEFAULT" in upper)
+
+
+def _table(name: str, table: tuple[tuple[str, str], ...]) -> list[str]:
+    """CREATE TABLE, then every column a table made by an older version (or by hand) may
+    lack, added where it can be: a table missing one that cannot is named by its delivery."""
+    body = ",\n".join(f"            {column} {declared}" for column, declared in table)
+    return [
+        f"CREATE TABLE IF NOT EXISTS {name} (\n{body}\n        )",
+        *(
+            f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS {column} {declared}"
+            for column, declared in table
+            if _addable(declared)
+        ),
+    ]
+
+
+def expected_columns(tables: Tables) -> dict[str, frozenset[str]]:
+    """Each table's columns, as the writer fills them."""
+    readings = frozenset(c.name for c in columns.READINGS) | {"id", "created_at"}
+    return {
+        tables.readings: readings,
+        tables.allocations: frozenset(name for name, _ in ALLOCATION_TABLE),
+        tables.events: frozenset(name for name, _ in EVENT_TABLE),
+    }
+
+
 def migration(tables: Tables) -> list[str]:
     """Idempotent DDL; run in one transaction while holding MIGRATION_LOCK."""
     r, a, e = tables.readings, tables.allocations, tables.events
@@ -79,59 +134,14 @@ def migration(tables: Tables) -> list[str]:
     )
     for column in ("cluster", "node", "read_time", "created_at", "gpu", "uuid"):
         statements.append(f"CREATE INDEX IF NOT EXISTS {_index(r, column)} ON {r} ({column})")
-    statements.append(
-        f"""CREATE TABLE IF NOT EXISTS {a} (
-            allocation_id VARCHAR(255) PRIMARY KEY,
-            cluster VARCHAR(255) NOT NULL,
-            node VARCHAR(255) NOT NULL,
-            machine VARCHAR(255) NOT NULL DEFAULT '',
-            gpu VARCHAR(255) NOT NULL DEFAULT '',
-            uuid VARCHAR(255),
-            mig_uuid VARCHAR(255),
-            namespace VARCHAR(255),
-            pod VARCHAR(255),
-            pod_uid VARCHAR(255),
-            container VARCHAR(255),
-            resource_name VARCHAR(255),
-            device_id VARCHAR(255),
-            workload_kind VARCHAR(255),
-            workload_name VARCHAR(255),
-            claim_namespace VARCHAR(255),
-            claim_name VARCHAR(255),
-            claim_source VARCHAR(255),
-            started_at TIMESTAMP WITH TIME ZONE,
-            ended_at TIMESTAMP WITH TIME ZONE,
-            start_record_id VARCHAR(255),
-            end_record_id VARCHAR(255),
-            attributes JSONB,
-            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW(),
-            updated_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
-        )"""
-    )
-    # DRA claim columns, added to a table made before they existed
-    statements += [
-        f"ALTER TABLE {a} ADD COLUMN IF NOT EXISTS {c} VARCHAR(255)"
-        for c in ("claim_namespace", "claim_name", "claim_source")
-    ]
+    statements += _table(a, ALLOCATION_TABLE)
     statements += [
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'open')} ON {a} (namespace) WHERE ended_at IS NULL",
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'gpu')} ON {a} (gpu)",
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'uuid')} ON {a} (uuid)",
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'started_at')} ON {a} (started_at)",
     ]
-    statements.append(
-        f"""CREATE TABLE IF NOT EXISTS {e} (
-            id BIGSERIAL PRIMARY KEY,
-            record_id VARCHAR(255) NOT NULL,
-            kind VARCHAR(64) NOT NULL,
-            cluster VARCHAR(255) NOT NULL DEFAULT '',
-            node VARCHAR(255) NOT NULL DEFAULT '',
-            machine VARCHAR(255) NOT NULL DEFAULT '',
-            observed_at TIMESTAMP WITH TIME ZONE,
-            payload JSONB NOT NULL,
-            created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT NOW()
-        )"""
-    )
+    statements += _table(e, EVENT_TABLE)
     statements += [
         f"CREATE UNIQUE INDEX IF NOT EXISTS {_index(e, 'record_id')} ON {e} (record_id)",
         f"CREATE INDEX IF NOT EXISTS {_index(e, 'kind_time')} ON {e} (kind, observed_at)",

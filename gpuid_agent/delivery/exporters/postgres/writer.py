@@ -11,12 +11,16 @@ and dropped at its end, so no state outlives a transaction (PgBouncer's transact
 
 A table created by gpuid keeps its UNIQUE over the gpuid columns, which both dies of a GB200
 superchip share: rows such a constraint drops are counted, not hidden (`dropped` of `write`).
+
+Each table is written in a savepoint of its own: a table that cannot take its rows (missing,
+missing a column, a type or constraint of its own) fails that kind alone (`failed` of
+`write`), and the others commit. A lost connection or a value no table can hold fails all.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import asyncpg
 
@@ -45,6 +49,7 @@ class Written:
 
     dropped: int = 0  # readings a unique constraint other than record_id's refused
     constraint: str | None = None  # that constraint, when one was named
+    failed: dict[str, asyncpg.PostgresError] = field(default_factory=dict)  # table → why
 
 
 class CopyWriter:
@@ -62,16 +67,45 @@ class CopyWriter:
 
     async def write(self, conn: asyncpg.Connection, payload: Payload) -> Written:
         written = Written()
+        t = self.tables
+
+        async def allocations() -> None:
+            await self._stage(conn, 1, payload.allocations)
+            await conn.execute(self._upsert_allocations)
+
+        async def events() -> None:
+            await self._stage(conn, 2, payload.events)
+            await conn.execute(self._insert_events)
+
         async with conn.transaction():
             if payload.readings:
-                await self._readings_rows(conn, payload.readings, written)
+                await self._alone(
+                    conn,
+                    t.readings,
+                    lambda: self._readings_rows(conn, payload.readings, written),
+                    written,
+                )
             if payload.allocations:
-                await self._stage(conn, 1, payload.allocations)
-                await conn.execute(self._upsert_allocations)
+                await self._alone(conn, t.allocations, allocations, written)
             if payload.events:
-                await self._stage(conn, 2, payload.events)
-                await conn.execute(self._insert_events)
+                await self._alone(conn, t.events, events, written)
         return written
+
+    async def _alone(
+        self,
+        conn: asyncpg.Connection,
+        table: str,
+        write: Callable[[], Awaitable[None]],
+        written: Written,
+    ) -> None:
+        """One table's rows in a savepoint: what only that table refuses fails it alone."""
+        try:
+            async with conn.transaction():
+                await write()
+        except asyncpg.PostgresError as exc:
+            if not table_problem(exc):
+                raise
+            written.failed[table] = exc
 
     async def _copy(self, conn: asyncpg.Connection, data: bytes) -> None:
         async with conn.transaction():  # a savepoint: a refused COPY leaves the rest intact
@@ -129,3 +163,11 @@ async def _chunks(data: bytes, size: int = 1 << 20) -> AsyncIterator[memoryview]
     view = memoryview(data)
     for start in range(0, len(view), size):
         yield view[start : start + size]
+
+
+def table_problem(exc: asyncpg.PostgresError) -> bool:
+    """An error of one table's making (its definition or privileges), not of the connection
+    or of a value: SQLSTATE classes 42 (undefined table or column, type mismatch, privilege),
+    3F (schema) and 23 (a constraint of the table's own: NOT NULL, CHECK, foreign key)."""
+    state = getattr(exc, "sqlstate", None) or ""
+    return state[:2] in ("42", "3F", "23")
