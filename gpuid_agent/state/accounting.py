@@ -3,7 +3,7 @@ on one device), accumulated snapshot by snapshot.
 
 Between two snapshots each GPU's wall time and its energy counter's increase are divided by
 the split (`accounting_split.py`) that held at the first of them; what no holder has counts
-under `IDLE`, so over a node the totals add up to wall time × GPUs and to the GPUs' own
+under `IDLE`, so over a node the totals add up to wall time times GPUs and to the GPUs' own
 energy. Only a current attribution changes the split: while the kubelet is unreadable the
 last known holders keep the GPU, as the allocation trail keeps them open.
 
@@ -129,8 +129,12 @@ class Accountant:
         idle = 1.0
         for p in parts:
             share = None if joules is None else joules * p.gpu_fraction
-            self._holdings.add(p.holding, seconds * p.gpu_fraction, seconds * p.device_fraction, share)
-            self._workloads.add(p.workload, seconds * p.gpu_fraction, seconds * p.device_fraction, share)
+            self._holdings.add(
+                p.holding, seconds * p.gpu_fraction, seconds * p.device_fraction, share
+            )
+            self._workloads.add(
+                p.workload, seconds * p.gpu_fraction, seconds * p.device_fraction, share
+            )
             if self._config.per_pod:
                 pod = _pod_key(p)
                 self._pods.add(pod, seconds * p.gpu_fraction, seconds * p.device_fraction, share)
@@ -162,10 +166,12 @@ class Accountant:
                 "as_of": self._as_of,
                 "energy": self._energy,
                 "split": {
-                    uuid: [[list(p.holding), _key_wire(p.workload), p.gpu_fraction,
-                            p.device_fraction] for p in parts]
+                    uuid: [
+                        [list(p.holding), _key_wire(p.workload), p.gpu_fraction, p.device_fraction]
+                        for p in parts
+                    ]
                     for uuid, parts in self._split.items()
-                },  # fmt: skip
+                },
                 "holdings": [[list(k), *v] for k, v in self._holdings.items()],
             }
         )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.state.attribution.holders import Attribution, Holder
@@ -26,6 +27,7 @@ from gpuid_agent.state.attribution.shares import DeviceShares, ProcessView
 # One holder (container) on one device: namespace, pod, pod UID, container, device UUID.
 HoldingKey = tuple[str, str, str, str, str]
 _SLICES = re.compile(r"^(\d+)g\.")
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -67,9 +69,10 @@ class Usage:
 class AccountingView:
     """Totals since the agent started (holdings: since their state file), frozen per snapshot."""
 
-    workloads: Mapping[WorkloadKey, Usage] = MappingProxyType({})
-    pods: Mapping[WorkloadKey, Usage] = MappingProxyType({})  # per-pod variant (off: empty)
-    holdings: Mapping[HoldingKey, Usage] = MappingProxyType({})
+    workloads: Mapping[WorkloadKey, Usage] = field(default_factory=lambda: _EMPTY)
+    # per-pod variant (ACCOUNTING_PER_POD; off: empty)
+    pods: Mapping[WorkloadKey, Usage] = field(default_factory=lambda: _EMPTY)
+    holdings: Mapping[HoldingKey, Usage] = field(default_factory=lambda: _EMPTY)
 
     def holding(self, key: HoldingKey) -> Usage | None:
         return self.holdings.get(key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -65,7 +65,7 @@ class NodeIdentity:
 class CollectorConfig:
     interval: float  # COLLECT_INTERVAL
     health: HealthConfig
-    accounting: AccountingConfig = AccountingConfig()
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
 
 
 class Collector:
