@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -75,10 +75,8 @@ class _Totals(dict[Any, list[Any]]):
 
 
 class Accountant:
-    def __init__(
-        self, config: AccountingConfig, node: str, *, clock: Callable[[], float] = time.time
-    ) -> None:
-        self._config, self._node, self._clock = config, node, clock
+    def __init__(self, config: AccountingConfig, node: str) -> None:
+        self._config, self._node = config, node
         self.path = Path(config.state_dir) / STATE_FILE if config.state_dir else None
         self._as_of: float | None = None
         self._split: dict[str, tuple[Part, ...]] = {}
@@ -95,9 +93,11 @@ class Accountant:
         attribution: Attribution,
         processes: ProcessView,
     ) -> AccountingView:
-        """Credit the time since the last call to the split that held over it, then take the
-        split of this snapshot; the totals as of now."""
-        now = self._clock()
+        """Credit the time since the last NVML read to the split that held over it, then take
+        the split of this snapshot; the totals as of this read. Time is the reads' own (the
+        energy counters were read then): a snapshot of another cause credits nothing, and a
+        holder change it brings counts from the next read."""
+        now = inventory.read_time.timestamp()
         elapsed = None if self._as_of is None else now - self._as_of
         if elapsed is not None and elapsed > MAX_GAP:
             _log.info("accounting gap not credited", extra={"seconds": round(elapsed)})
