@@ -43,8 +43,10 @@ async def test_timesliced_window_adds_up() -> None:
     )
     async with running_agent(agent):
         await eventually(
-            lambda: b'gpuid_workload_gpu_seconds_total{claim="",namespace="inference"'
-            in agent.renderer.current().text
+            lambda: (
+                b'gpuid_workload_gpu_seconds_total{claim="",namespace="inference"'
+                in agent.renderer.current().text
+            )
         )
         await asyncio.sleep(1.0)  # a few collections with every holder in place
         first, t0 = totals(agent.renderer.current().text), time.monotonic()

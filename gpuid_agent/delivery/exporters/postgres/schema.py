@@ -99,6 +99,8 @@ def migration(tables: Tables) -> list[str]:
             claim_namespace VARCHAR(255),
             claim_name VARCHAR(255),
             claim_source VARCHAR(255),
+            gpu_seconds DOUBLE PRECISION,
+            energy_joules DOUBLE PRECISION,
             started_at TIMESTAMP WITH TIME ZONE,
             ended_at TIMESTAMP WITH TIME ZONE,
             start_record_id VARCHAR(255),
@@ -112,6 +114,11 @@ def migration(tables: Tables) -> list[str]:
     statements += [
         f"ALTER TABLE {a} ADD COLUMN IF NOT EXISTS {c} VARCHAR(255)"
         for c in ("claim_namespace", "claim_name", "claim_source")
+    ]
+    # accounting totals, filled by an allocation's end (docs/accounting.md)
+    statements += [
+        f"ALTER TABLE {a} ADD COLUMN IF NOT EXISTS {c} DOUBLE PRECISION"
+        for c in ("gpu_seconds", "energy_joules")
     ]
     statements += [
         f"CREATE INDEX IF NOT EXISTS {_index(a, 'open')} ON {a} (namespace) WHERE ended_at IS NULL",
@@ -190,17 +197,25 @@ _DESCRIPTIVE = (
 )
 
 
+_USED = ("gpu_seconds", "energy_joules")
+
+
 def upsert_allocations(tables: Tables) -> str:
     """One row per allocation: its start and end (earliest of each, whatever order records
     arrive in); descriptive columns filled when first known. A re-sent record changes
     nothing, not even updated_at."""
     a = tables.allocations
     described = ", ".join(f"max({c})" for c in _DESCRIPTIVE)
-    fill = ", ".join(f"{c} = COALESCE(t.{c}, EXCLUDED.{c})" for c in _DESCRIPTIVE)
+    fill = ", ".join(f"{c} = COALESCE(t.{c}, EXCLUDED.{c})" for c in _DESCRIPTIVE + _USED)
+    # an end's accounting totals travel in its record (the staged `attributes`)
+    used = ", ".join(
+        f"min((attributes->>'{c}')::double precision) FILTER (WHERE ended_at IS NOT NULL)"
+        for c in _USED
+    )
     return f"""
         INSERT INTO {a} AS t (allocation_id, cluster, node, {", ".join(_DESCRIPTIVE)},
-            started_at, ended_at, start_record_id, end_record_id, attributes)
-        SELECT allocation_id, max(cluster), max(node), {described},
+            {", ".join(_USED)}, started_at, ended_at, start_record_id, end_record_id, attributes)
+        SELECT allocation_id, max(cluster), max(node), {described}, {used},
             min(started_at), min(ended_at),
             min(record_id) FILTER (WHERE ended_at IS NULL),
             min(record_id) FILTER (WHERE ended_at IS NOT NULL),
@@ -222,6 +237,7 @@ def upsert_allocations(tables: Tables) -> str:
            OR t.ended_at IS DISTINCT FROM LEAST(t.ended_at, EXCLUDED.ended_at)
            OR (t.start_record_id IS NULL AND EXCLUDED.start_record_id IS NOT NULL)
            OR (t.workload_name IS NULL AND EXCLUDED.workload_name IS NOT NULL)
+           OR (t.gpu_seconds IS NULL AND EXCLUDED.gpu_seconds IS NOT NULL)
     """
 
 
