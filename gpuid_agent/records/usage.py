@@ -128,7 +128,7 @@ class UsageLedger:
         """An ending allocation's last usage record and its totals (None: not accounted)."""
         record = self._record(start, now, [*open_records, start])
         mark = self.marks.pop(start["allocation_id"], None)
-        if mark is None:
-            return None, None, None
+        if mark is None or (record is None and not (mark[4] or mark[5])):
+            return None, None, None  # never accounted (accounting had no figures for it)
         joules = _round(mark[5]) if mark[3] is not None or mark[5] else None
         return record, _round(mark[4]), joules

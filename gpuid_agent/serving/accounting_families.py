@@ -76,7 +76,7 @@ def build_accounting_families(
         pod_energy = _counter(pod_energy_name, "GPU energy used by a pod.", pod_labels)
         _add(accounting.pods, options, pod_seconds, None, pod_energy, with_pod=True)
         families += [pod_seconds, pod_energy]
-    return families
+    return [f for f in families if f.samples]
 
 
 def _add(
