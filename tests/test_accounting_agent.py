@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from tests import test_dra_agent as dra
 from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, write_kubeconfig
 from tests.fakekubelet import FakeKubelet
@@ -118,3 +119,60 @@ async def test_shares_energy_and_churn_add_up(
     assert sum(r["gpu_seconds"] for r in usage) == pytest.approx(end["gpu_seconds"], abs=0.01)
     assert sum(r["energy_joules"] for r in usage) == pytest.approx(end["energy_joules"], abs=0.01)
     assert all(r["usage_start"] <= r["read_time"] for r in usage)
+
+
+def by_labels(text: bytes, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = defaultdict(float)
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(s.labels[k] for k in keys)] += s.value
+    return out
+
+
+async def test_mig_fraction_and_a_dra_claim_shared_by_two_pods(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 in MIG mode: its 3g.40gb device (claimed by research/big) is 3/7 of the GPU, the
+    unclaimed 1g.10gb and the unconfigured slices idle; GPU 1 whole (train-0); GPU 2 through
+    one claim shared by serve-a and serve-b, half each."""
+    config = dra.nvml_config()
+    fake_nvml.apply(config)
+    kubelet.pods = dra.kubelet_pods()
+    async with FakeKube(resource_versions=("v1",)) as api:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", api.url)))
+        api.create(dra.node_slice(config))
+        agent = dra.make_agent(
+            fake_nvml, kubelet, io.BytesIO(), kube_api="auto", collect_interval=INTERVAL,
+            accounting_per_pod=True,
+        )  # fmt: skip
+        pod_s, pod_j = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
+        async with running_agent(agent):
+            text = lambda: agent.renderer.current().text  # noqa: E731
+            await eventually(lambda: per_pod(text(), pod_s).get("big", 0) > 0, within=20)
+            before, t0 = latest(agent, pod_s)
+            e_before = per_pod(text(), pod_j)
+            w_before = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+            g0, g2 = config.gpus[0], config.gpus[2]
+            g0.energy_mj = (g0.energy_mj or 0) + 700_000
+            g2.energy_mj = (g2.energy_mj or 0) + 400_000
+            fake_nvml.apply(config)
+            await asyncio.sleep(2.0)
+            after, t1 = latest(agent, pod_s)
+            e_after = per_pod(text(), pod_j)
+            w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+    held = t1 - t0
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["big"] == pytest.approx(held * 3 / 7, abs=INTERVAL)
+    assert d["train-0"] == pytest.approx(held, abs=INTERVAL)
+    assert d["serve-a"] + d["serve-b"] == pytest.approx(held, abs=INTERVAL)
+    assert d["serve-a"] == pytest.approx(d["serve-b"], rel=0.01)
+    # the MIG device held alone: one device-second per second, its claim's series
+    device = w_after[("big-mig",)] - w_before.get(("big-mig",), 0)
+    assert device == pytest.approx(held, abs=INTERVAL)
+    shared = w_after[("shared-gpu",)] - w_before.get(("shared-gpu",), 0)
+    assert shared == pytest.approx(held, abs=INTERVAL)  # one series for the claim's two pods
+    e = {k: e_after[k] - e_before.get(k, 0) for k in e_after}
+    assert e["big"] == pytest.approx(300, rel=0.01)
+    assert e["serve-a"] == pytest.approx(200, rel=0.01)
+    assert e["serve-b"] == pytest.approx(200, rel=0.01)
