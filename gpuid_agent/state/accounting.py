@@ -12,9 +12,10 @@ supported gets no energy; a counter that went down (driver reload, GPU reset) st
 baseline and that interval credits none, so no delta is ever negative.
 
 Restarts: with STATE_DIR the totals of holdings, the split, the GPUs' energy baselines and the
-time they were taken are saved (`accounting.json`, every SAVE_INTERVAL). A restarted agent
-credits the time and energy since that save to the saved split, so a SIGKILL neither loses
-nor repeats an interval; a gap over MAX_GAP (a node powered off) is not credited.
+time they were taken are saved (`accounting.json`, when the holders change and every
+SAVE_INTERVAL). A restarted agent credits the time and energy since that save to the saved
+split, so a SIGKILL neither loses nor repeats an interval; a gap over MAX_GAP (a node powered
+off) is not credited.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Accountant:
         self._workloads, self._pods, self._holdings = _Totals(), _Totals(), _Totals()
         self._last_held: dict[Any, float] = {}
         self._saved = 0.0
+        self._changed = False
         self._load()
 
     def advance(
@@ -108,7 +110,10 @@ class Accountant:
             if elapsed is not None and gpu.uuid in self._split:
                 self._credit(self._split[gpu.uuid], max(0.0, elapsed), joules)
         if attribution.state == "current" or not self._split:
-            self._split = split_node(inventory, attribution, processes)
+            split = split_node(inventory, attribution, processes)
+            if _holdings(split) != _holdings(self._split):
+                self._changed = True  # saved at once: a restart credits the gap to these
+            self._split = split
         self._as_of = now
         self._forget(now)
         return AccountingView(
@@ -177,11 +182,14 @@ class Accountant:
         )
 
     async def save_due(self) -> None:
-        """Save the state file when SAVE_INTERVAL has passed since the last save."""
+        """Save the state file when SAVE_INTERVAL has passed since the last save, or the
+        holders changed."""
         now = time.monotonic()
-        if self.path is None or self._as_of is None or now - self._saved < SAVE_INTERVAL:
+        if self.path is None or self._as_of is None:
             return
-        self._saved = now
+        if now - self._saved < SAVE_INTERVAL and not self._changed:
+            return
+        self._saved, self._changed = now, False
         try:
             await asyncio.to_thread(write_atomically, self.path, self._state_bytes())
         except OSError as exc:
@@ -225,6 +233,10 @@ class Accountant:
             return
         self._as_of, self._energy, self._split, self._holdings = as_of, energy, split, holdings
         _log.info("restored accounting", extra={"holdings": len(holdings)})
+
+
+def _holdings(split: Mapping[str, tuple[Part, ...]]) -> set[HoldingKey]:
+    return {p.holding for parts in split.values() for p in parts}
 
 
 def _pod_key(part: Part) -> WorkloadKey:
