@@ -5,6 +5,7 @@ the kill nor count any of it twice, and add up to its end's totals."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import subprocess
 import sys
@@ -110,6 +111,6 @@ async def test_usage_survives_sigkill_mid_allocation(
     # the usage records tile the allocation: no period lost, none counted twice
     assert sum(r["gpu_seconds"] for r in periods) == pytest.approx(end["gpu_seconds"], abs=0.01)
     assert sum(r["energy_joules"] for r in periods) == pytest.approx(end["energy_joules"], abs=0.01)
-    for earlier, later in zip(periods, periods[1:], strict=False):
+    for earlier, later in itertools.pairwise(periods):
         assert earlier["read_time"] == later["usage_start"]
     assert "Traceback" not in log.read_text()
