@@ -114,6 +114,7 @@ class Agent:
         self.trail = AllocationTrail(
             TrailIdentity(s.cluster_name, node, self.source),
             publish_durable=self.pipeline.publish_durable, state_dir=s.state_dir,
+            usage_interval=s.accounting_interval,
         )  # fmt: skip
         self.health_records = HealthPublisher(self.pipeline.publish, source=self.source)
         self.hardware = HardwareWatch(

@@ -79,7 +79,7 @@ ALLOCATIONS = st.builds(
     AllocationRecord,
     kind=st.just("allocation"),
     record_id=HOSTILE,
-    event=st.sampled_from(["start", "end"]),
+    event=st.sampled_from(["start", "end", "usage"]),
     machine_source=HOSTILE,
     allocation_id=HOSTILE,
     serial=_opt(HOSTILE),
@@ -105,6 +105,9 @@ ALLOCATIONS = st.builds(
     claim_namespace=_opt(HOSTILE),
     claim_name=_opt(HOSTILE),
     claim_source=_opt(HOSTILE),
+    gpu_seconds=_opt(st.floats(min_value=0, max_value=1e12)),
+    energy_joules=_opt(st.floats(min_value=0, max_value=1e15)),
+    usage_start=_opt(HOSTILE),
     **_header(HOSTILE),
 )
 HARDWARE = st.builds(

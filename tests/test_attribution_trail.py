@@ -40,7 +40,8 @@ def make_agent(fake: FakeNvml, kubelet: FakeKubelet, out: io.BytesIO, **override
 
 def allocations(out: io.BytesIO) -> list[dict[str, Any]]:
     records = [orjson.loads(line) for line in out.getvalue().splitlines()]
-    return [r for r in records if r["kind"] == "allocation"]
+    # starts and ends (an end's last usage record: tests/test_accounting_agent.py)
+    return [r for r in records if r["kind"] == "allocation" and r["event"] != "usage"]
 
 
 def by_pod(records: list[dict[str, Any]], event: str) -> dict[str, dict[str, Any]]:

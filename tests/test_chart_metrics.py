@@ -72,7 +72,18 @@ def metric_names(expr: str) -> set[str]:
 def rule_exprs(values: dict[str, Any]) -> dict[str, str]:
     result = render(values, kube_version=newest_supported(), api_versions=PROMETHEUS_OPERATOR)
     rule = result.one("PrometheusRule")
-    return {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    return {
+        r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    }
+
+
+def recording_rules(values: dict[str, Any]) -> dict[str, str]:
+    """The series the chart's recording rules make, and their expressions."""
+    result = render(values, kube_version=newest_supported(), api_versions=PROMETHEUS_OPERATOR)
+    rule = result.one("PrometheusRule")
+    return {
+        r["record"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r
+    }
 
 
 def dashboard_exprs() -> list[str]:
@@ -113,7 +124,14 @@ def test_a_renamed_metric_is_caught() -> None:
 def test_dashboard_uses_only_exported_metrics() -> None:
     exprs = dashboard_exprs()
     assert len(exprs) > 10
-    assert unknown_names(exprs, exported_series()) == {}
+    # and the series the chart's recording rules make (accounting, on by default)
+    assert unknown_names(exprs, exported_series() | set(recording_rules({}))) == {}
+
+
+def test_recording_rules_use_only_exported_metrics() -> None:
+    recorded = recording_rules({})
+    assert "gpuid:workload_gpu_hours:increase1d" in recorded
+    assert unknown_names(recorded.values(), exported_series()) == {}
 
 
 def test_default_alert_rules_use_only_exported_metrics() -> None:

@@ -237,7 +237,7 @@ async def test_hostile_records_are_stored_not_refused(
         await exporter.export([record])
     finally:
         await exporter.close()
-    if record.kind == "allocation":
+    if record.kind == "allocation" and record.event != "usage":
         table = "gpu_allocations"
     elif record.kind == "reading" and reading_row(to_wire(record)) is not None:
         table = "gpu_readings"

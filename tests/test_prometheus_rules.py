@@ -147,7 +147,9 @@ def test_unit_tests_use_series_the_agent_emits() -> None:
         assert match, f"{unit}: {series}"
         name, labels = match.group(1), dict(_LABEL.findall(match.group(2)))
         if name in GPU_SERIES:  # /gpu/metrics: its labels vary with the device and holders
-            assert {"node", "uuid"} <= set(labels), f"{unit}: {series}"
+            # accounting series are per workload, not per device
+            device = set() if name.startswith(("gpuid_workload_", "gpuid_pod_")) else {"uuid"}
+            assert {"node", *device} <= set(labels), f"{unit}: {series}"
             checked += 1
             continue
         assert name in exposed, f"{unit}: {name} is not a /metrics or /gpu/metrics series"

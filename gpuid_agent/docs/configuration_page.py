@@ -32,6 +32,7 @@ SETTING_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("OTLP exporter", ("otel_",)),
     ("Spool", ("spool_",)),
     ("Pod attribution", ("pod_resources_", "gpu_resource_", "pod_label_", "kube_")),
+    ("Accounting", ("accounting_",)),
     ("Node labels and machine identity", ("labels", "label_", "dmi_", "machine_")),
     ("Serving", ("server_", "metrics_", "log_")),
     ("Health", ("expected_gpu_", "node_conditions", "health_", "xid_")),

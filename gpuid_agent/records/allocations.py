@@ -28,6 +28,7 @@ from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import allocation_from_wire, rfc3339, to_wire
 from gpuid_agent.records.types import AllocationRecord, AnyRecord, header
+from gpuid_agent.records.usage import UsageLedger
 from gpuid_agent.runtime import log
 from gpuid_agent.state.allocation_trail import Ended, OpenAllocations, Started
 from gpuid_agent.state.attribution import Allocation, Attribution
@@ -117,8 +118,14 @@ def start_record(
     )
 
 
-def end_record(ended: Ended, now: datetime) -> AllocationRecord:
-    """The end repeats its start's fields (the GPU may be gone by now)."""
+def end_record(
+    ended: Ended,
+    now: datetime,
+    gpu_seconds: float | None = None,
+    energy_joules: float | None = None,
+) -> AllocationRecord:
+    """The end repeats its start's fields (the GPU may be gone by now), with what the
+    allocation used where accounting knows it."""
     at = rfc3339(now)
     begun = allocation_from_wire(ended.start)
     return replace(
@@ -129,6 +136,8 @@ def end_record(ended: Ended, now: datetime) -> AllocationRecord:
         ended_at=at,
         end_observed=ended.observed,
         last_seen_at=ended.last_seen_at,
+        gpu_seconds=gpu_seconds,
+        energy_joules=energy_joules,
     )
 
 
@@ -143,6 +152,7 @@ class AllocationTrail(Emitter):
         *,
         publish_durable: Callable[[list[AnyRecord]], Awaitable[None]],
         state_dir: str = "",
+        usage_interval: float = 3600.0,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.identity = identity
@@ -153,6 +163,7 @@ class AllocationTrail(Emitter):
             identity.node, state_dir, stamp=lambda: rfc3339(self._clock())
         )
         self._latest: tuple[Attribution, NodeInventory] | None = None
+        self.usage = UsageLedger(usage_interval, self.allocations.usage, allocation_record_id)
 
     def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
         """Records owed for this attribution (ends, then starts); updates the open set."""
@@ -160,21 +171,32 @@ class AllocationTrail(Emitter):
         if changes is None:
             return []
         now = self._clock()
-        records = [end_record(e, now) for e in changes.ended]
+        still_open = list(self.allocations.open.values())
+        records: list[AllocationRecord] = []
+        for e in changes.ended:
+            usage, seconds, joules = self.usage.closed(e.start, now, still_open)
+            records += [usage] if usage is not None else []
+            records.append(end_record(e, now, seconds, joules))
         for started in changes.started:
             start = start_record(self.identity, started, inventory, now)
-            self.allocations.opened(started.key, to_wire(start))
+            wire = to_wire(start)
+            self.allocations.opened(started.key, wire)
+            self.usage.opened(wire, now, list(self.allocations.open.values()))
             records.append(start)
         return records
 
     def note(self, snapshot: NodeSnapshot) -> None:
+        self.usage.view = snapshot.accounting
         if snapshot.pods_ready and snapshot.attribution.state == "current":
             self._latest = (snapshot.attribution, snapshot.inventory)
 
     async def flush(self) -> None:
         latest, self._latest = self._latest, None
         state = self.allocations
-        if latest is not None and (records := self.owed(*latest)):
+        records = self.owed(*latest) if latest is not None else []
+        if state.open and state.settled:  # long allocations: a usage record per period
+            records += self.usage.due(list(state.open.values()), self._clock())
+        if records:
             _log.debug("allocation records", extra={"count": len(records)})
             state.pending = state.pending + [to_wire(r) for r in records]
         if state.pending:  # on the first flush: left by a kill before they reached the spools

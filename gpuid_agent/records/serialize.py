@@ -46,6 +46,7 @@ Wire = dict[str, Any]
 """The wire form of one record: what exporters serialize and the spool keeps."""
 
 _CLAIM_FIELDS = ("claim_namespace", "claim_name", "claim_source")
+_USAGE_FIELDS = ("gpu_seconds", "energy_joules", "usage_start")  # written only when known
 _RECORD_TYPES: tuple[type[AnyRecord], ...] = (
     ReadingRecord,
     AllocationRecord,
@@ -72,6 +73,9 @@ def to_wire(record: AnyRecord) -> Wire:
             del wire["last_seen_at"]  # only an unseen end carries it
         if record.claim_name is None:
             for name in _CLAIM_FIELDS:  # not a DRA allocation: the wire is as it always was
+                del wire[name]
+        for name in _USAGE_FIELDS:
+            if wire[name] is None:
                 del wire[name]
         return wire
     if isinstance(record, ReadingRecord):
@@ -143,6 +147,7 @@ Check = Callable[[Any], bool]
 _SCALARS: dict[Any, type] = {
     str: str,
     int: int,
+    float: float,
     bool: bool,
     None: type(None),
     type(None): type(None),
@@ -212,7 +217,7 @@ _BY_KIND: dict[str, type[AnyRecord]] = {
 _NAMES = {cls: shape.names for cls, shape in _SHAPES.items()}
 _READING_KEYS = _NAMES[ReadingRecord] | {"record_id"}
 _HEALTH_KEYS = _NAMES[HealthRecord] - {"holders"} | {"record_id"}
-_ALLOCATION_KEYS = _NAMES[AllocationRecord] - {"last_seen_at", *_CLAIM_FIELDS}
+_ALLOCATION_KEYS = _NAMES[AllocationRecord] - {"last_seen_at", *_CLAIM_FIELDS, *_USAGE_FIELDS}
 
 
 def from_wire(wire: Mapping[str, Any]) -> AnyRecord:
@@ -253,6 +258,7 @@ def _expect_keys(cls: type[AnyRecord], wire: Mapping[str, Any]) -> None:
             expected = expected | {"last_seen_at"}
         if wire.get("claim_name") is not None:
             expected = expected | set(_CLAIM_FIELDS)
+        expected = expected | {n for n in _USAGE_FIELDS if wire.get(n) is not None}
     else:
         expected = _NAMES[cls]
     if keys != expected:

@@ -86,7 +86,7 @@ class AllocationRecord:
     schema_version: int
     kind: Literal["allocation"]
     record_id: str
-    event: Literal["start", "end"]
+    event: Literal["start", "end", "usage"]
     cluster: str
     node: str
     machine: str
@@ -123,6 +123,11 @@ class AllocationRecord:
     # "dra" (joined via ResourceSlices) or "dra-fallback", as at the start: an allocation is
     # not started again when its slices arrive, and its end repeats the start's fields
     claim_source: str | None = None
+    # Accounting (docs/accounting.md), only where known: an end's totals for the allocation;
+    # a usage record's amounts from `usage_start` to its read_time
+    gpu_seconds: float | None = None
+    energy_joules: float | None = None
+    usage_start: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

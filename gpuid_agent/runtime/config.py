@@ -236,6 +236,14 @@ class Settings(OtelSettings):
     state_dir: str = Field(
         "", description="Directory for small state kept across restarts (open allocations)."
     )
+    accounting_interval: PositiveDuration = Field(
+        3600.0,
+        description="Period of the usage records of long allocations (GPU-seconds, energy), "
+        "aligned to multiples of it since the epoch (UTC).",
+    )
+    accounting_per_pod: bool = Field(
+        False, description="Also expose workload GPU-seconds and energy per pod on /gpu/metrics."
+    )
     gpu_resource_names: CommaList = Field(
         default_factory=list, description="Extra resource names that carry GPUs."
     )

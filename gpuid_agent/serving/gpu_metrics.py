@@ -27,6 +27,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.serving.accounting_families import build_accounting_families
 from gpuid_agent.serving.claim_families import build_claim_family
 from gpuid_agent.serving.health_families import build_health_families
 from gpuid_agent.serving.metrics_fields import (
@@ -50,6 +51,7 @@ from gpuid_agent.serving.metrics_fields import (
 )
 from gpuid_agent.serving.share_families import build_share_families
 from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
+from gpuid_agent.state.accounting_split import NO_ACCOUNTING, AccountingView
 from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.health.verdicts import NodeHealth
@@ -225,6 +227,7 @@ def collect(
     attribution: Attribution | None = None,
     options: RenderOptions | None = None,
     processes: ProcessView = PROCESSES_OFF,
+    accounting: AccountingView = NO_ACCOUNTING,
 ) -> list[Metric]:
     """Every /gpu/metrics family of one collection, ready for either exposition format."""
     families = build_families(inventory, samples, naming, attribution, options)
@@ -237,6 +240,7 @@ def collect(
         options=options or RenderOptions(),
     )
     families.append(build_claim_family(inventory, attribution, naming))
+    families += build_accounting_families(accounting, naming, options or RenderOptions())
     if health is not None:
         families.extend(build_health_families(inventory, health, naming))
     return families

@@ -303,6 +303,13 @@ SHARE_METRICS = (
     UNATTRIBUTED_PROCESSES,
 )
 CLAIM_INFO = "gpuid_gpu_claim_info"
+# accounting (serving/accounting_families.py): per workload, per pod with ACCOUNTING_PER_POD
+ACCOUNTING_METRICS = (
+    "gpuid_workload_gpu_seconds_total",
+    "gpuid_workload_device_seconds_total",
+    "gpuid_workload_gpu_energy_joules_total",
+)
+POD_ACCOUNTING_METRICS = ("gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total")
 # DRA labels of gpuid_gpu_claim_info (same in both namings), after the join, MIG and holder ones
 CLAIM_LABELS = ("claim_namespace", "claim_name", "dra_pool", "dra_device", "source")
 _LABEL_CHAR = re.compile(r"[^A-Za-z0-9_]")
@@ -343,6 +350,8 @@ def metric_names(naming: Naming) -> list[str]:
         *names,
         *health_metric_names(naming),
         *SHARE_METRICS,
+        *ACCOUNTING_METRICS,
+        *POD_ACCOUNTING_METRICS,
     ]
 
 

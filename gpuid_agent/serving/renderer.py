@@ -123,6 +123,7 @@ class MetricsRenderer:
             attribution=snapshot.attribution,
             options=self._options,
             processes=snapshot.processes,
+            accounting=snapshot.accounting,
         )
 
     def _render(self, snapshot: NodeSnapshot, fmt: gpu_metrics.Format) -> bytes:

@@ -7,6 +7,7 @@ from gpuid_agent.node.labels.service import LabellingConfig
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.serving.status_page import StatusConfig
 from gpuid_agent.sources.host import NodeEnvironment
+from gpuid_agent.state.accounting import AccountingConfig
 from gpuid_agent.state.attribution.service import AttributionConfig
 from gpuid_agent.state.collector import CollectorConfig
 from gpuid_agent.state.health.monitor import HealthConfig
@@ -25,6 +26,7 @@ def collector_config(settings: Settings) -> CollectorConfig:
             collect_interval=settings.collect_interval,
             kernel_log=settings.kernel_log,
         ),
+        accounting=AccountingConfig(settings.accounting_per_pod, settings.state_dir),
     )
 
 

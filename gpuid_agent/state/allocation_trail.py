@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -72,6 +73,8 @@ class OpenAllocations:
         self.path = Path(state_dir) / STATE_FILE if state_dir else None
         self.open: dict[Key, WireRecord] = {}
         self.pending: list[WireRecord] = []  # owed by the saved open set, not yet in every spool
+        # allocation_id → where its usage records stand (records/usage.py), saved with them
+        self.usage: dict[str, list[Any]] = {}
         self._restored = False
         self._restored_saved_at = ""
         self._first = True
@@ -110,6 +113,11 @@ class OpenAllocations:
         )
         return AllocationChanges(tuple(ended), started)
 
+    @property
+    def settled(self) -> bool:
+        """Whether a current attribution was compared with the open set (and the state file)."""
+        return not self._first
+
     def opened(self, key: Key, start: WireRecord) -> None:
         self.open[key] = start
 
@@ -132,6 +140,11 @@ class OpenAllocations:
             records = [r for r in state["open"] if isinstance(r, dict)]
             opened = {_record_key(r): r for r in records}
             pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+            usage = {
+                str(k): v
+                for k, v in state.get("usage", {}).items()
+                if k in {r["allocation_id"] for r in records} and _mark_ok(v)
+            }
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             # A damaged file must not stop the agent: start over, as without STATE_DIR.
             _log.warning(
@@ -139,7 +152,7 @@ class OpenAllocations:
                 extra={"path": str(self.path), "error": str(exc)},
             )
             return
-        self.open, self.pending = opened, pending
+        self.open, self.pending, self.usage = opened, pending, usage
         self._restored = True
         self._restored_saved_at = str(state.get("saved_at") or "")
         _log.info("restored open allocations", extra={"count": len(opened)})
@@ -152,6 +165,7 @@ class OpenAllocations:
                 "saved_at": self._stamp(),
                 "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
                 "pending": self.pending,
+                "usage": self.usage,
             },
             option=orjson.OPT_SORT_KEYS,
         )
@@ -178,3 +192,15 @@ def _record_key(record: WireRecord) -> Key:
     ):
         raise ValueError("malformed open allocation")
     return values
+
+
+def _mark_ok(mark: Any) -> bool:
+    """A usage mark as records/usage.py writes it: [since, period, base s, base J, s, J]."""
+    return (
+        isinstance(mark, list)
+        and len(mark) == 6
+        and isinstance(mark[0], str)
+        and isinstance(mark[1], int)
+        and all(isinstance(v, int | float) for v in (mark[2], mark[4], mark[5]))
+        and (mark[3] is None or isinstance(mark[3], int | float))
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -28,6 +28,7 @@ from gpuid_agent.runtime.status import Reason, StatusBoard
 from gpuid_agent.sources.nvml.reader import NvmlReading, with_health_fields
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
+from gpuid_agent.state.accounting import Accountant, AccountingConfig
 from gpuid_agent.state.attribution import count_allocatable_gpus
 from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
@@ -64,6 +65,7 @@ class NodeIdentity:
 class CollectorConfig:
     interval: float  # COLLECT_INTERVAL
     health: HealthConfig
+    accounting: AccountingConfig = field(default_factory=AccountingConfig)
 
 
 class Collector:
@@ -91,6 +93,7 @@ class Collector:
         self.inventory: NodeInventory | None = None
         self.samples: dict[str, GpuSample] = {}
         self.processes = processes
+        self.accounting = Accountant(config.accounting, identity.node)
         self._seq = 0
         self._held: list[Transition] = []  # transitions waiting for the first attribution
         self._settled = False
@@ -121,6 +124,7 @@ class Collector:
             joined = with_holders(self._held, self.inventory, attribution)
             self._held = []
             log_transitions(joined)
+        accounting = self.accounting.advance(self.inventory, self.samples, attribution, processes)
         self._seq += 1
         self.bus.publish(
             NodeSnapshot(
@@ -134,6 +138,7 @@ class Collector:
                 pods_ready=self.attributor.pods_ready,
                 processes=processes,
                 expected_gpus=self.health.expected,
+                accounting=accounting,
             )
         )
 
@@ -206,6 +211,7 @@ class Collector:
         self.inventory = inventory
         self.samples = with_health_fields(reading.samples, signals.values())
         self._publish("collection", transitions)
+        await self.accounting.save_due()
         self._metrics.set_gpus(len(inventory.gpus))
         self._metrics.nvml_up.set(1)
         problems = []

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from gpuid_agent.facts import GpuSample, NodeInventory
+from gpuid_agent.state.accounting_split import NO_ACCOUNTING, AccountingView
 from gpuid_agent.state.attribution.holders import Attribution
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
 from gpuid_agent.state.health.verdicts import NodeHealth, Transition
@@ -37,4 +38,6 @@ class NodeSnapshot:
     processes: ProcessView = PROCESSES_OFF
     # the GPU count NVML's is held to and where it came from (None, None: nothing to hold to)
     expected_gpus: tuple[int | None, str | None] = (None, None)
+    # GPU-seconds and energy per workload and holding so far (state/accounting.py)
+    accounting: AccountingView = NO_ACCOUNTING
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))

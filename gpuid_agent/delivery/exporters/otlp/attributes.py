@@ -64,6 +64,9 @@ BY_KIND: Final[dict[str, dict[str, str]]] = {
         "start_observed": "gpuid.allocation.start_observed",
         "end_observed": "gpuid.allocation.end_observed",
         "last_seen_at": "gpuid.allocation.last_seen_at",
+        "gpu_seconds": "gpuid.allocation.gpu_seconds",
+        "energy_joules": "gpuid.allocation.energy_joules",
+        "usage_start": "gpuid.allocation.usage_start",
     },
     "health": {
         "index": "gpu.index",

@@ -256,7 +256,8 @@ class Rows:
 
 
 def split(batch: Sequence[AnyRecord]) -> Rows:
-    """Each record's row, by table (the wire form is what the rows hold)."""
+    """Each record's row, by table (the wire form is what the rows hold). An allocation's
+    usage records are rows of the events table (one per record id; docs/accounting.md)."""
     rows = Rows()
     for record in map(to_wire, batch):
         kind = record.get("kind")
@@ -265,7 +266,7 @@ def split(batch: Sequence[AnyRecord]) -> Rows:
             if row is not None:
                 rows.readings.append(row)
                 continue
-        elif kind == "allocation":
+        elif kind == "allocation" and record.get("event") != "usage":
             rows.allocations.append(allocation_row(record))
             continue
         rows.events.append(event_row(record))

@@ -62,6 +62,10 @@ _NOT_IN_ORDER = ("record_id", "attributes")
 # added to existing tables by the migration, so it must be nullable or have a default.
 ALLOCATION_TABLE: tuple[tuple[str, str], ...] = (
     *((c.name, c.declared) for c in columns.ALLOCATIONS if c.name not in _NOT_IN_ORDER),
+    # accounting totals, filled by an allocation's end (docs/accounting.md); not staged: they
+    # travel in the end record's `attributes`
+    ("gpu_seconds", "DOUBLE PRECISION"),
+    ("energy_joules", "DOUBLE PRECISION"),
     ("start_record_id", "VARCHAR(255)"),
     ("end_record_id", "VARCHAR(255)"),
     ("attributes", "JSONB"),
@@ -200,17 +204,25 @@ _DESCRIPTIVE = (
 )
 
 
+_USED = ("gpu_seconds", "energy_joules")
+
+
 def upsert_allocations(tables: Tables) -> str:
     """One row per allocation: its start and end (earliest of each, whatever order records
     arrive in); descriptive columns filled when first known. A re-sent record changes
     nothing, not even updated_at."""
     a = tables.allocations
     described = ", ".join(f"max({c})" for c in _DESCRIPTIVE)
-    fill = ", ".join(f"{c} = COALESCE(t.{c}, EXCLUDED.{c})" for c in _DESCRIPTIVE)
+    fill = ", ".join(f"{c} = COALESCE(t.{c}, EXCLUDED.{c})" for c in _DESCRIPTIVE + _USED)
+    # an end's accounting totals travel in its record (the staged `attributes`)
+    used = ", ".join(
+        f"min((attributes->>'{c}')::double precision) FILTER (WHERE ended_at IS NOT NULL)"
+        for c in _USED
+    )
     return f"""
         INSERT INTO {a} AS t (allocation_id, cluster, node, {", ".join(_DESCRIPTIVE)},
-            started_at, ended_at, start_record_id, end_record_id, attributes)
-        SELECT allocation_id, max(cluster), max(node), {described},
+            {", ".join(_USED)}, started_at, ended_at, start_record_id, end_record_id, attributes)
+        SELECT allocation_id, max(cluster), max(node), {described}, {used},
             min(started_at), min(ended_at),
             min(record_id) FILTER (WHERE ended_at IS NULL),
             min(record_id) FILTER (WHERE ended_at IS NOT NULL),
@@ -232,6 +244,7 @@ def upsert_allocations(tables: Tables) -> str:
            OR t.ended_at IS DISTINCT FROM LEAST(t.ended_at, EXCLUDED.ended_at)
            OR (t.start_record_id IS NULL AND EXCLUDED.start_record_id IS NOT NULL)
            OR (t.workload_name IS NULL AND EXCLUDED.workload_name IS NOT NULL)
+           OR (t.gpu_seconds IS NULL AND EXCLUDED.gpu_seconds IS NOT NULL)
     """
 
 

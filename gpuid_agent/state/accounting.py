@@ -1,0 +1,260 @@
+"""GPU accounting: GPU-seconds and energy per workload, per pod and per holding (one container
+on one device), accumulated snapshot by snapshot.
+
+Between two snapshots each GPU's wall time and its energy counter's increase are divided by
+the split (`accounting_split.py`) that held at the first of them; what no holder has counts
+under `IDLE`, so over a node the totals add up to wall time times GPUs and to the GPUs' own
+energy. Only a current attribution changes the split: while the kubelet is unreadable the
+last known holders keep the GPU, as the allocation trail keeps them open.
+
+Energy: the counter is millijoules since the driver loaded. A GPU whose counter is not
+supported gets no energy; a counter that went down (driver reload, GPU reset) starts a new
+baseline and that interval credits none, so no delta is ever negative.
+
+Restarts: with STATE_DIR the totals of holdings, the split, the GPUs' energy baselines and the
+time they were taken are saved (`accounting.json`, when the holders change and every
+SAVE_INTERVAL). A restarted agent credits the time and energy since that save to the saved
+split, so a SIGKILL neither loses nor repeats an interval; a gap over MAX_GAP (a node powered
+off) is not credited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from gpuid_agent.facts import GpuSample, NodeInventory
+from gpuid_agent.runtime import log
+from gpuid_agent.state.accounting_split import (
+    IDLE,
+    AccountingView,
+    HoldingKey,
+    Part,
+    Usage,
+    WorkloadKey,
+    split_node,
+)
+from gpuid_agent.state.attribution.holders import Attribution
+from gpuid_agent.state.attribution.shares import ProcessView
+from gpuid_agent.state.state_file import write_atomically
+
+_log = log.get("accounting")
+STATE_FILE = "accounting.json"
+STATE_VERSION = 1
+SAVE_INTERVAL = 15.0
+MAX_GAP = 600.0  # longest restart gap credited to the saved split
+RETAIN = 900.0  # how long an ended holding's (or pod's) totals stay readable
+
+
+@dataclass(frozen=True, slots=True)
+class AccountingConfig:
+    per_pod: bool = False  # ACCOUNTING_PER_POD
+    state_dir: str = ""
+
+
+class _Totals(dict[Any, list[Any]]):
+    """key → [gpu_seconds, device_seconds, joules or None]."""
+
+    def add(self, key: Any, seconds: float, device: float, joules: float | None) -> None:
+        row = self.get(key)
+        if row is None:
+            row = self[key] = [0.0, 0.0, None]
+        row[0] += seconds
+        row[1] += device
+        if joules is not None:
+            row[2] = (row[2] or 0.0) + joules
+
+    def frozen(self) -> Mapping[Any, Usage]:
+        return MappingProxyType({k: Usage(*v) for k, v in self.items()})
+
+
+class Accountant:
+    def __init__(self, config: AccountingConfig, node: str) -> None:
+        self._config, self._node = config, node
+        self.path = Path(config.state_dir) / STATE_FILE if config.state_dir else None
+        self._as_of: float | None = None
+        self._split: dict[str, tuple[Part, ...]] = {}
+        self._energy: dict[str, float] = {}  # GPU UUID → counter (mJ) at _as_of
+        self._workloads, self._pods, self._holdings = _Totals(), _Totals(), _Totals()
+        self._last_held: dict[Any, float] = {}
+        self._saved = 0.0
+        self._changed = False
+        self._load()
+
+    def advance(
+        self,
+        inventory: NodeInventory,
+        samples: Mapping[str, GpuSample],
+        attribution: Attribution,
+        processes: ProcessView,
+    ) -> AccountingView:
+        """Credit the time since the last NVML read to the split that held over it, then take
+        the split of this snapshot; the totals as of this read. Time is the reads' own (the
+        energy counters were read then): a snapshot of another cause credits nothing, and a
+        holder change it brings counts from the next read."""
+        now = inventory.read_time.timestamp()
+        elapsed = None if self._as_of is None else now - self._as_of
+        if elapsed is not None and elapsed > MAX_GAP:
+            _log.info("accounting gap not credited", extra={"seconds": round(elapsed)})
+            elapsed = None
+        for gpu in inventory.gpus:
+            sample = samples.get(gpu.uuid)
+            joules = self._energy_delta(gpu.uuid, sample)
+            if elapsed is not None and gpu.uuid in self._split:
+                self._credit(self._split[gpu.uuid], max(0.0, elapsed), joules)
+        if attribution.state == "current" or not self._split:
+            split = split_node(inventory, attribution, processes)
+            if _holdings(split) != _holdings(self._split):
+                self._changed = True  # saved at once: a restart credits the gap to these
+            self._split = split
+        self._as_of = now
+        self._forget(now)
+        return AccountingView(
+            self._workloads.frozen(), self._pods.frozen(), self._holdings.frozen()
+        )
+
+    def _energy_delta(self, uuid: str, sample: GpuSample | None) -> float | None:
+        counter = sample.values.get("energy_mj") if sample is not None else None
+        if counter is None:
+            return None
+        before = self._energy.get(uuid)
+        self._energy[uuid] = counter
+        if before is None or counter < before:  # first read, or a reset: a new baseline
+            return None
+        return (counter - before) / 1000
+
+    def _credit(self, parts: tuple[Part, ...], seconds: float, joules: float | None) -> None:
+        idle = 1.0
+        for p in parts:
+            share = None if joules is None else joules * p.gpu_fraction
+            self._holdings.add(
+                p.holding, seconds * p.gpu_fraction, seconds * p.device_fraction, share
+            )
+            self._workloads.add(
+                p.workload, seconds * p.gpu_fraction, seconds * p.device_fraction, share
+            )
+            if self._config.per_pod:
+                pod = _pod_key(p)
+                self._pods.add(pod, seconds * p.gpu_fraction, seconds * p.device_fraction, share)
+            idle -= p.gpu_fraction
+        idle = max(0.0, idle)
+        self._workloads.add(IDLE, seconds * idle, 0.0, None if joules is None else joules * idle)
+
+    def _forget(self, now: float) -> None:
+        """Ended holdings and pods leave RETAIN after they were last held (workloads stay:
+        their series outlive pod restarts)."""
+        for parts in self._split.values():
+            for p in parts:
+                self._last_held[p.holding] = now
+                if self._config.per_pod:
+                    self._last_held[_pod_key(p)] = now
+        for key, seen in list(self._last_held.items()):
+            if now - seen > RETAIN:
+                del self._last_held[key]
+                self._holdings.pop(key, None)
+                self._pods.pop(key, None)
+
+    # ---- state file ------------------------------------------------------------------------
+
+    def _state_bytes(self) -> bytes:
+        return orjson.dumps(
+            {
+                "version": STATE_VERSION,
+                "node": self._node,
+                "as_of": self._as_of,
+                "energy": self._energy,
+                "split": {
+                    uuid: [
+                        [list(p.holding), _key_wire(p.workload), p.gpu_fraction, p.device_fraction]
+                        for p in parts
+                    ]
+                    for uuid, parts in self._split.items()
+                },
+                "holdings": [[list(k), *v] for k, v in self._holdings.items()],
+            }
+        )
+
+    async def save_due(self) -> None:
+        """Save the state file when SAVE_INTERVAL has passed since the last save, or the
+        holders changed."""
+        now = time.monotonic()
+        if self.path is None or self._as_of is None:
+            return
+        if now - self._saved < SAVE_INTERVAL and not self._changed:
+            return
+        self._saved, self._changed = now, False
+        try:
+            await asyncio.to_thread(write_atomically, self.path, self._state_bytes())
+        except OSError as exc:
+            _log.warning("cannot save accounting state", extra={"error": str(exc)})
+
+    def _load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            _log.warning("cannot read accounting state", extra={"error": str(exc)})
+            return
+        try:
+            state = orjson.loads(raw)
+            if state.get("version") != STATE_VERSION or state.get("node") != self._node:
+                raise ValueError("state file is for another version or node")
+            as_of = float(state["as_of"])
+            energy = {str(k): float(v) for k, v in state["energy"].items()}
+            split = {
+                str(uuid): tuple(
+                    Part(_holding(h), _key_from_wire(w), float(g), float(d)) for h, w, g, d in parts
+                )
+                for uuid, parts in state["split"].items()
+            }
+            holdings = _Totals()
+            for key, seconds, device, joules in state["holdings"]:
+                holdings[_holding(key)] = [
+                    float(seconds),
+                    float(device),
+                    None if joules is None else float(joules),
+                ]
+        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # a damaged file must not stop the agent: accounting starts over
+            _log.warning(
+                "ignoring unreadable accounting state",
+                extra={"path": str(self.path), "error": str(exc)},
+            )
+            return
+        self._as_of, self._energy, self._split, self._holdings = as_of, energy, split, holdings
+        _log.info("restored accounting", extra={"holdings": len(holdings)})
+
+
+def _holdings(split: Mapping[str, tuple[Part, ...]]) -> set[HoldingKey]:
+    return {p.holding for parts in split.values() for p in parts}
+
+
+def _pod_key(part: Part) -> WorkloadKey:
+    w = part.workload
+    return WorkloadKey(w.namespace, w.owner_kind, w.owner_name, w.claim, w.labels, part.holding[1])
+
+
+def _key_wire(key: WorkloadKey) -> list[Any]:
+    return [key.namespace, key.owner_kind, key.owner_name, key.claim, [list(p) for p in key.labels]]
+
+
+def _key_from_wire(wire: Any) -> WorkloadKey:
+    namespace, kind, name, claim, labels = wire
+    pairs = tuple((str(k), str(v)) for k, v in labels)
+    return WorkloadKey(str(namespace), str(kind), str(name), str(claim), pairs)
+
+
+def _holding(wire: Any) -> HoldingKey:
+    if not isinstance(wire, list) or len(wire) != 5 or not all(isinstance(v, str) for v in wire):
+        raise ValueError("malformed holding key")
+    return (wire[0], wire[1], wire[2], wire[3], wire[4])

@@ -1,0 +1,178 @@
+"""GPU accounting end to end: the C fake libnvidia-ml (energy counters, compute and MPS
+processes with SM samples), a fake host /proc, the fake Kubernetes API and the grpc.aio
+kubelet. A time-sliced GPU is split by measured SM share, a whole GPU counts 1 per second,
+unheld GPUs count as idle, energy splits the GPUs' own counter deltas, and a pod leaving
+mid-interval ends with what it used, its usage records adding up to its end's totals."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuid_agent.agent import Agent
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from tests import test_dra_agent as dra
+from tests.conftest import running_agent, settings
+from tests.fakekube import FakeKube, write_kubeconfig
+from tests.fakekubelet import FakeKubelet
+from tests.fakenvml.fixtures import FakeNvml
+from tests.fakeproc import FakeProc
+from tests.test_process_agent import kube, scenario  # noqa: F401  (fixture and scene reused)
+from tests.waiting import eventually
+
+INTERVAL = 0.1  # COLLECT_INTERVAL: the tolerance of held time is one of it
+
+
+def latest(agent: Agent, name: str) -> tuple[dict[str, float], float]:
+    """The latest snapshot's rendered counter per pod, and its collection's time."""
+    snapshot = agent.bus.latest
+    assert snapshot is not None
+    rendered = agent.renderer.current()
+    assert rendered.snapshot is not None
+    return per_pod(rendered.text, name), rendered.snapshot.inventory.read_time.timestamp()
+
+
+def per_pod(text: bytes, name: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels.get("pod", "") or s.labels["namespace"]] += s.value
+    return out
+
+
+def records(out: io.BytesIO) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+
+
+async def test_shares_energy_and_churn_add_up(
+    fake_nvml: FakeNvml,
+    kubelet: FakeKubelet,
+    kube: FakeKube,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(
+        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken"))
+    )
+    proc = FakeProc(tmp_path / "proc")
+    config, kubelet.pods = scenario(kube, proc)
+    fake_nvml.apply(config)
+    out = io.BytesIO()
+    agent = Agent(
+        settings(
+            kube_api="auto",
+            pod_resources_socket=kubelet.socket_path,
+            pod_resources_interval=0.05,
+            process_attribution=True,
+            host_proc=str(proc.root),
+            collect_interval=INTERVAL,
+            accounting_per_pod=True,
+            accounting_interval=1.0,
+        ),
+        nvml_api=PynvmlApi(str(fake_nvml.lib_path)),
+        exporters=[StdoutExporter(out)],
+    )
+    seconds, joules = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
+    async with running_agent(agent):
+        text = lambda: agent.renderer.current().text  # noqa: E731
+        await eventually(lambda: per_pod(text(), seconds).get("serve", 0) > 0)
+        before, t0 = latest(agent, seconds)
+        e_before = per_pod(text(), joules)
+        g0, g1 = config.gpus[0], config.gpus[1]
+        g0.energy_mj = (g0.energy_mj or 0) + 800_000  # 800 J on the time-sliced GPU
+        g1.energy_mj = (g1.energy_mj or 0) + 300_000  # 300 J on the notebook's
+        fake_nvml.apply(config)
+        await asyncio.sleep(2.5)
+        after, t1 = latest(agent, seconds)
+        e_after = per_pod(text(), joules)
+        # serve leaves mid-interval: its end carries what it used
+        kubelet.pods = [p for p in kubelet.pods if p.name != "serve"]
+        await eventually(lambda: any(r.get("event") == "end" for r in records(out)))
+        await asyncio.sleep(0.5)
+    held = t1 - t0
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    # GPU 0: split by measured SM share (train 50 %, serve 30 % via MPS: 5/8 and 3/8)
+    assert d["train"] + d["serve"] == pytest.approx(held, abs=INTERVAL + 0.15)
+    assert d["train"] / (d["train"] + d["serve"]) == pytest.approx(5 / 8, rel=0.01)
+    assert d["notebook"] == pytest.approx(held, abs=INTERVAL + 0.15)  # a whole GPU, idle
+    e = {k: e_after[k] - e_before.get(k, 0) for k in e_after}
+    assert e["train"] + e["serve"] == pytest.approx(800, rel=0.01)
+    assert e["train"] == pytest.approx(500, rel=0.01)
+    assert e["notebook"] == pytest.approx(300, rel=0.01)
+    workloads = per_pod(text(), "gpuid_workload_gpu_seconds_total")
+    assert workloads[""] > 0  # the idle row: GPUs 2-7
+    sent = records(out)
+    end = next(r for r in sent if r.get("event") == "end" and r["pod"] == "serve")
+    usage = [r for r in sent if r.get("event") == "usage" and r["pod"] == "serve"]
+    assert end["gpu_seconds"] > 0 and end["energy_joules"] > 0
+    assert len(usage) >= 2  # one per 1 s period, then the last partial one
+    assert len({r["record_id"] for r in usage}) == len(usage)
+    assert sum(r["gpu_seconds"] for r in usage) == pytest.approx(end["gpu_seconds"], abs=0.01)
+    assert sum(r["energy_joules"] for r in usage) == pytest.approx(end["energy_joules"], abs=0.01)
+    assert all(r["usage_start"] <= r["read_time"] for r in usage)
+
+
+def by_labels(text: bytes, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = defaultdict(float)
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(s.labels[k] for k in keys)] += s.value
+    return out
+
+
+async def test_mig_fraction_and_a_dra_claim_shared_by_two_pods(
+    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0 in MIG mode: its 3g.40gb device (claimed by research/big) is 3/7 of the GPU, the
+    unclaimed 1g.10gb and the unconfigured slices idle; GPU 1 whole (train-0); GPU 2 through
+    one claim shared by serve-a and serve-b, half each."""
+    config = dra.nvml_config()
+    fake_nvml.apply(config)
+    kubelet.pods = dra.kubelet_pods()
+    async with FakeKube(resource_versions=("v1",)) as api:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", api.url)))
+        api.create(dra.node_slice(config))
+        agent = dra.make_agent(
+            fake_nvml, kubelet, io.BytesIO(), kube_api="auto", collect_interval=INTERVAL,
+            accounting_per_pod=True,
+        )  # fmt: skip
+        pod_s, pod_j = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
+        async with running_agent(agent):
+            text = lambda: agent.renderer.current().text  # noqa: E731
+            await eventually(lambda: per_pod(text(), pod_s).get("big", 0) > 0, within=20)
+            before, t0 = latest(agent, pod_s)
+            e_before = per_pod(text(), pod_j)
+            w_before = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+            g0, g2 = config.gpus[0], config.gpus[2]
+            g0.energy_mj = (g0.energy_mj or 0) + 700_000
+            g2.energy_mj = (g2.energy_mj or 0) + 400_000
+            fake_nvml.apply(config)
+            await asyncio.sleep(2.0)
+            after, t1 = latest(agent, pod_s)
+            e_after = per_pod(text(), pod_j)
+            w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+    held = t1 - t0
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["big"] == pytest.approx(held * 3 / 7, abs=INTERVAL)
+    assert d["train-0"] == pytest.approx(held, abs=INTERVAL)
+    assert d["serve-a"] + d["serve-b"] == pytest.approx(held, abs=INTERVAL)
+    assert d["serve-a"] == pytest.approx(d["serve-b"], rel=0.01)
+    # the MIG device held alone: one device-second per second, its claim's series
+    device = w_after[("big-mig",)] - w_before.get(("big-mig",), 0)
+    assert device == pytest.approx(held, abs=INTERVAL)
+    shared = w_after[("shared-gpu",)] - w_before.get(("shared-gpu",), 0)
+    assert shared == pytest.approx(held, abs=INTERVAL)  # one series for the claim's two pods
+    e = {k: e_after[k] - e_before.get(k, 0) for k in e_after}
+    assert e["big"] == pytest.approx(300, rel=0.01)
+    assert e["serve-a"] == pytest.approx(200, rel=0.01)
+    assert e["serve-b"] == pytest.approx(200, rel=0.01)
