@@ -237,6 +237,10 @@ class SimulatedNvml:
         failure = self._fault(gpu, "remap-failure") is not None
         return RemappedRows(0, int(pending or failure), pending, failure)
 
+    def recovery_action(self, handle: Any) -> int:
+        self._gpu(handle)
+        return 0  # the driver asks for nothing: a simulated GPU recovers on its own
+
     def clocks_event_reasons(self, handle: Any) -> int:
         gpu = self._gpu(handle)
         mask = 0

@@ -267,10 +267,13 @@ class FakeGpu:
     nvlink_crc_flit: str | None = None
     nvlink_crc_data: str | None = None
     supported_events: int | None = None
+    # nvmlDeviceGetFieldValues: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (field 230)
+    recovery_action: int | None = None
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)
     mig: list[FakeMig] = field(default_factory=list)
-    xids: list[tuple[int, int]] = field(default_factory=list)  # (xid code, after_n_waits)
+    # (xid code, after_n_waits) or (code, after, gpu_instance_id, compute_instance_id)
+    xids: list[tuple[int, ...]] = field(default_factory=list)
     # field key (function name, key or group, as for errors) -> seconds its calls hang
     blocks: dict[str, float] = field(default_factory=dict)
     # running processes and their samples (nvmlDeviceGet*RunningProcesses_v3, *ProcessUtil*)
@@ -334,8 +337,8 @@ class FakeNvmlConfig:
             lines.extend(_render_fields(gpu, prefix, _SPECIAL_GPU_FIELDS))
             for key, rc in gpu.errors.items():
                 lines.append(f"{prefix} error {key} {int(rc)}")
-            for code, after in gpu.xids:
-                lines.append(f"{prefix} xid {int(code)} {int(after)}")
+            for xid in gpu.xids:
+                lines.append(f"{prefix} xid {' '.join(str(int(v)) for v in xid)}")
             for key, secs in gpu.blocks.items():
                 lines.append(f"{prefix} block {key} {float(secs)!r}")
             lines.extend(f"{prefix} process {p.statement()}" for p in gpu.processes)

@@ -71,6 +71,8 @@
  *                   as drivers that predate the health summary do
  *   fabric_cluster_uuid  UUID text (dashes allowed) -> 16 bytes
  *   supported_events     64-bit mask, default 0x1f
+ *   recovery_action, field_<id>   nvmlDeviceGetFieldValues entries (see the
+ *                   field values block at the end of this file)
  *   lost            1: every call taking a handle of this GPU (or of one of
  *                   its MIG devices) returns NVML_ERROR_GPU_IS_LOST (15)
  * A call that returns several values (utilization, memory, remapped rows,
@@ -89,7 +91,8 @@
  * one of the keys it reads (e.g. power_mw), or its group name:
  *   handle (nvmlDeviceGetHandleBy*), index, pci_info, platform_info,
  *   utilization (also util_enc/util_dec), memory, power, energy, clock, ecc,
- *   remapped_rows, clocks_event_reasons, fabric_info, events, mig.
+ *   remapped_rows, clocks_event_reasons, fabric_info, events, mig,
+ *   field_values.
  * An error on a GPU does not apply to its MIG devices and vice versa.
  *
  * Events: nvmlDeviceRegisterEvents records the mask per GPU in the set; each
@@ -2176,6 +2179,85 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigne
     const char *list = gpu_str(g, names[counter]);
     if (!list) RET(NVML_ERROR_NOT_SUPPORTED);
     *value = list_item(list, link);
+    RET(NVML_SUCCESS);
+}
+#endif
+
+/* ======================================================================== */
+/* Field values (nvmlDeviceGetFieldValues)                                  */
+/*                                                                          */
+/* GPU keys:                                                                */
+/*   recovery_action <n>  field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION    */
+/*                        (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, */
+/*                        4 drain and reset), an unsigned int value          */
+/*   field_<id> <n>       any other field id, an unsigned long long value    */
+/* An unset key answers that entry with NVML_ERROR_NOT_SUPPORTED in its      */
+/* nvmlReturn while the call itself succeeds, as drivers do.                 */
+/* Error keys: the function name or the group "field_values" fail the whole */
+/* call; "recovery_action" / "field_<id>" fail only that entry (its          */
+/* nvmlReturn).  Block keys: the function name or "field_values".           */
+
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    long long sllVal;
+    int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    unsigned int valueType; /* NVML_VALUE_TYPE_*: 1 unsigned int, 3 unsigned long long */
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+#define FIELD_RECOVERY_ACTION 230u
+#define VALUE_TYPE_UNSIGNED_INT 1u
+#define VALUE_TYPE_UNSIGNED_LONG_LONG 3u
+
+#ifndef OMIT_nvmlDeviceGetFieldValues
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                             nvmlFieldValue_t *values) {
+    struct fake_gpu *g;
+    API_ENTER();
+    nvmlReturn_t rc = resolve(device, ALLOW_GPU, __func__, KEYS("field_values"), &g, NULL, NULL);
+    if (rc != NVML_SUCCESS) RET(rc);
+    if (valuesCount < 0 || (valuesCount > 0 && !values)) RET(NVML_ERROR_INVALID_ARGUMENT);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long long now_us = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000LL;
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        char name[32];
+        int recovery = v->fieldId == FIELD_RECOVERY_ACTION;
+        if (recovery)
+            copy_bounded(name, sizeof(name), "recovery_action");
+        else
+            snprintf(name, sizeof(name), "field_%u", v->fieldId);
+        unsigned long long x;
+        v->timestamp = now_us;
+        v->latencyUsec = 0;
+        memset(&v->value, 0, sizeof(v->value));
+        v->nvmlReturn = find_error(g->err, g->nerr, NULL, KEYS(name));
+        if (v->nvmlReturn != NVML_SUCCESS) continue;
+        if (!gpu_u64(g, name, &x)) {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        if (recovery) {
+            v->valueType = VALUE_TYPE_UNSIGNED_INT;
+            v->value.uiVal = (unsigned int)x;
+        } else {
+            v->valueType = VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value.ullVal = x;
+        }
+    }
     RET(NVML_SUCCESS);
 }
 #endif

@@ -61,6 +61,7 @@ class HealthReader:
                 clocks_event_reasons=get("clocks_event_reasons", api.clocks_event_reasons, handle),
                 fabric=get("fabric", api.fabric_info, handle),
                 persistence_mode=get("persistence_mode", api.persistence_mode, handle),
+                recovery_action=get("recovery_action", api.recovery_action, handle),
                 pcie=read_pcie(api, self.calls, index, handle, absent=absent, failed=failed),
                 nvlinks=read_nvlinks(api, self.calls, index, handle, absent=absent, failed=failed),
                 absent=MappingProxyType(absent),

@@ -27,6 +27,9 @@ from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 T = TypeVar("T")
 
 PLATFORM_INFO_V2 = (2 << 24) | 0x2C
+RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+# NVML_VALUE_TYPE_*: the integer members of nvmlValue_t
+_INT_VALUE_MEMBERS = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 _PLATFORM_V2 = struct.Struct("<I16s16s5B")
 
 
@@ -240,6 +243,17 @@ class PynvmlApi:
     def persistence_mode(self, handle: Handle) -> int:
         return int(pynvml.nvmlDeviceGetPersistenceMode(handle))
 
+    def recovery_action(self, handle: Handle) -> int:
+        # The call succeeds and each entry carries its own return code; a driver that does
+        # not know the field id answers that entry INVALID_ARGUMENT: not supported there.
+        [entry] = pynvml.nvmlDeviceGetFieldValues(handle, [RECOVERY_ACTION_FIELD])
+        rc = int(entry.nvmlReturn)
+        if rc == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+            rc = pynvml.NVML_ERROR_NOT_SUPPORTED
+        if rc != pynvml.NVML_SUCCESS:
+            raise pynvml.NVMLError(rc)
+        return _field_int(entry)
+
     # ---- processes -----------------------------------------------------------------------
 
     def compute_processes(self, handle: Handle) -> list[ProcessInfo]:
@@ -321,6 +335,14 @@ class PynvmlApi:
 
 
 _NO_CALL = frozenset({NvmlFault.NO_CALL})
+
+
+def _field_int(entry: Any) -> int:
+    """An integer field value by its declared type; ValueError for another type."""
+    member = _INT_VALUE_MEMBERS.get(int(entry.valueType))
+    if member is None:
+        raise ValueError(f"field {entry.fieldId}: value type {entry.valueType} is no integer")
+    return int(getattr(entry.value, member))
 
 
 def _newer_or_older(

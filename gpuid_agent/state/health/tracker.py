@@ -5,78 +5,47 @@ the windows the rate-based checks need, and the XIDs seen. `observe` and `record
 transitions they caused, each exactly once: a check whose state and action stay the same is
 not a transition, however often it is evaluated or however its wording changes.
 
-What is reported is the last *judgement*: a check that cannot be judged for a while ("unknown")
-is shown as such but not reported, so unhealthy → unknown → unhealthy is no news and
-unhealthy → unknown → healthy is one transition, unhealthy → healthy. A check that starts out
-healthy or not supported is not news either.
+What is reported is the last *judgement* (see `check_states`).
+
+A GPU reset (see `resets`), a node reboot (the boot id changed since the state was saved)
+or an operator's request (`clear`) clears the GPU's latched XIDs. `as_state` / `restore` carry
+what must outlive the agent: latched XIDs with their boot id, the boots each XID was seen in,
+and the NVLinks seen up.
 
 Runs on the event loop only (XIDs arrive from their thread through call_soon_threadsafe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
+from typing import Any
 
 from gpuid_agent.facts import GpuIdentity
+from gpuid_agent.runtime import log
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieLink, XidEvent
 from gpuid_agent.state.health import checks as rules
+from gpuid_agent.state.health.check_states import CheckStates
 from gpuid_agent.state.health.fabric import fabric_verdict
 from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
+from gpuid_agent.state.health.recovery import NOT_REPORTED, recovery_verdict
+from gpuid_agent.state.health.resets import ResetWatch
 from gpuid_agent.state.health.verdicts import (
     GPU_CHECKS,
-    CheckStatus,
     GpuHealth,
     NodeHealth,
     Transition,
     Verdict,
     worst,
 )
-from gpuid_agent.state.health.xid import XidClass, classify_xid, escalate
+from gpuid_agent.state.health.xid import XidDetail
+from gpuid_agent.state.health.xid_history import XidHistory
 
-# Entering one of these states is not news when a check is first evaluated.
-_QUIET_START = ("healthy", "not_supported")
-
-
-@dataclass(slots=True)
-class _Checks:
-    current: dict[str, CheckStatus] = field(default_factory=dict)
-    reported: dict[str, CheckStatus] = field(default_factory=dict)
-
-    def apply(
-        self, verdicts: Mapping[str, Verdict], wall: datetime
-    ) -> tuple[list[tuple[str, CheckStatus, CheckStatus | None]], bool]:
-        """Apply verdicts: (check, current, previously reported) for each transition to
-        report, and whether anything shown changed at all."""
-        changed = []
-        dirty = False
-        for name, verdict in verdicts.items():
-            previous = self.current.get(name)
-            key = (verdict.state, verdict.action)
-            if previous is not None and previous.key == key:
-                if previous.reason != verdict.reason:  # same state, fresher wording
-                    self.current[name] = CheckStatus(
-                        verdict.state, verdict.reason, verdict.action, previous.since
-                    )
-                    dirty = True
-                continue
-            current = CheckStatus(verdict.state, verdict.reason, verdict.action, wall)
-            self.current[name] = current
-            dirty = True
-            if verdict.state == "unknown":
-                continue
-            reported = self.reported.get(name)
-            self.reported[name] = current
-            if reported is None and verdict.state in _QUIET_START:
-                continue
-            if reported is not None and reported.key == key:
-                continue
-            changed.append((name, current, reported))
-        return changed, dirty
+_log = log.get("health")
 
 
 @dataclass(slots=True)
@@ -86,15 +55,13 @@ class _Gpu:
     serial: str | None
     window: float
     replay_threshold: int = 0
-    states: _Checks = field(default_factory=_Checks)
+    states: CheckStates = field(default_factory=CheckStates)
     ecc_corrected: rules.CounterWindow = field(init=False)
     ecc_uncorrected: rules.CounterWindow = field(init=False)
     clocks: rules.ReasonWindow = field(init=False)
-    xid_counts: Counter[int] = field(default_factory=Counter)
-    last_xid: int | None = None
-    latched: XidClass | None = None
-    recent: list[tuple[float, XidClass]] = field(default_factory=list)
-    xid_times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
+    xids: XidHistory = field(default_factory=XidHistory)
+    resets: ResetWatch = field(default_factory=ResetWatch)
+    recovery_field: bool = True  # the driver reports field 230 (until a read says otherwise)
     pcie: PcieWatch = field(init=False)
     nvlink: NvLinkWatch = field(init=False)
     pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
@@ -119,6 +86,7 @@ class HealthTracker:
         xid_repeat_window: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        boot_id: str | None = None,
     ) -> None:
         self.window = window
         self.xid_hold = xid_hold
@@ -128,10 +96,13 @@ class HealthTracker:
         self._clock = clock
         self._wall = wall
         self._gpus: dict[str, _Gpu] = {}
-        self._node = _Checks()
+        self._node = CheckStates()
         self._xid_unsupported: Mapping[int, str] = MappingProxyType({})
         self._xid_unavailable: str | None = None
         self._snapshot: NodeHealth | None = NodeHealth()
+        self.boot_id = boot_id
+        self._saved: dict[str, dict[str, Any]] = {}  # restored state of GPUs not seen yet
+        self.unsaved = False  # what `as_state` gives changed since the last save
 
     # ---- inputs --------------------------------------------------------------------------
 
@@ -163,9 +134,7 @@ class HealthTracker:
                 if state is not None:
                     state.uuid, state.serial = gpu.uuid, gpu.serial
                 else:
-                    state = _Gpu(
-                        gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold
-                    )
+                    state = self._new_gpu(gpu)
                 self._gpus[gpu.uuid] = state
                 self._snapshot = None
             elif (state.index, state.serial) != (gpu.index, gpu.serial):
@@ -175,6 +144,13 @@ class HealthTracker:
             lost_reason = lost.get(gpu.index) or (sig.lost if sig else None)
             if lost_reason is not None:
                 unusable += 1
+            reset = state.resets.observe(sig, lost_reason)
+            if reset is not None and state.xids.clear():
+                self.unsaved = True
+                _log.info(
+                    "GPU reset seen: latched XIDs cleared",
+                    extra={"gpu": gpu.index, "uuid": gpu.uuid, "why": reset},
+                )
             verdicts = self._gpu_verdicts(state, sig, lost_reason, now)
             transitions.extend(self._apply(state, verdicts, wall))
         present = {g.uuid for g in gpus}
@@ -186,39 +162,68 @@ class HealthTracker:
         transitions.extend(self._apply_node({"gpu_count": count}, wall))
         return transitions
 
-    def record_xid(self, event: XidEvent) -> list[Transition]:
-        """Count an XID and re-judge its GPU's XID check at once (not at the next tick)."""
+    def record_xid(self, event: XidEvent, detail: XidDetail | None = None) -> list[Transition]:
+        """Count an XID and re-judge its GPU's XID check at once (not at the next tick). An
+        XID of one MIG device names only that device's holders."""
         state = self._gpus.get(event.uuid)
         if state is None:
             return []
-        state.xid_counts[event.code] += 1
-        state.last_xid = event.code
         self._snapshot = None
-        cls = self._repeated(state, classify_xid(event.code))
-        if cls.state != "healthy":
-            if cls.latched:
-                state.latched = rules.worst_xid([c for c in (state.latched, cls) if c])
-            else:
-                state.recent.append((self._clock(), cls))
-        verdict = self._xid_verdict(state, self._clock())
-        return self._apply(state, {"xid": verdict}, self._wall())
-
-    def _repeated(self, state: _Gpu, cls: XidClass) -> XidClass:
-        """`cls`, one action step stronger once its code repeated often enough."""
         now = self._clock()
-        seen = state.xid_times.setdefault(cls.code, deque())
-        seen.append(now)
-        while seen and seen[0] <= now - self.xid_repeat_window:
-            seen.popleft()
-        if self.xid_repeat_count <= 0 or len(seen) < self.xid_repeat_count:
-            return cls
-        return escalate(cls, len(seen), rules.format_window(self.xid_repeat_window))
+        if state.xids.record(
+            event.code, now, self.boot_id, detail=detail, recovery_field=state.recovery_field
+        ):
+            self.unsaved = True
+        changed = self._apply(state, {"xid": self._xid_verdict(state, now)}, self._wall())
+        if event.gpu_instance_id is None:
+            return changed
+        mig = (event.gpu_instance_id, event.compute_instance_id)
+        return [dataclasses.replace(t, mig_instance=mig) for t in changed]
+
+    def clear(self, selector: str) -> list[Transition]:
+        """An operator's request: forget the latched and recent XIDs of the GPU whose UUID or
+        index is `selector`. Returns the transitions; unknown selectors change nothing."""
+        state = next((s for s in self._gpus.values() if selector in (s.uuid, str(s.index))), None)
+        if state is None:
+            return []
+        if state.xids.clear():
+            self.unsaved = True
+        self._snapshot = None
+        return self._apply(state, {"xid": self._xid_verdict(state, self._clock())}, self._wall())
+
+    # ---- across restarts -----------------------------------------------------------------
+
+    def as_state(self) -> dict[str, Any]:
+        """What a restarted agent takes back (see `restore`); GPUs not seen in this run keep
+        what was restored for them."""
+        gpus = dict(self._saved)
+        for s in self._gpus.values():
+            if s.uuid.startswith("unknown-gpu-"):
+                continue
+            gpus[s.uuid] = {
+                **s.xids.as_state(self.boot_id),
+                "nvlink_seen_up": sorted(s.nvlink.seen_up),
+            }
+        return {"boot_id": self.boot_id, "gpus": gpus}
+
+    def restore(self, gpus: Mapping[str, Mapping[str, Any]]) -> None:
+        """Saved per-GPU state, applied as each GPU is first seen (validated by the reader)."""
+        self._saved = {uuid: dict(saved) for uuid, saved in gpus.items()}
+
+    def _new_gpu(self, gpu: GpuIdentity) -> _Gpu:
+        state = _Gpu(gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold)
+        state.xids.repeat_count = self.xid_repeat_count
+        state.xids.repeat_window = self.xid_repeat_window
+        saved = self._saved.pop(gpu.uuid, None)
+        if saved is not None:
+            state.xids.restore(saved, self.boot_id)
+            state.nvlink.seen_up.update(saved.get("nvlink_seen_up", ()))
+        return state
 
     # ---- evaluation ----------------------------------------------------------------------
 
     def _xid_verdict(self, state: _Gpu, now: float) -> Verdict:
-        state.recent = [(t, c) for t, c in state.recent if now - t < self.xid_hold]
-        active = rules.worst_xid([c for c in (state.latched,) if c] + [c for _, c in state.recent])
+        active = state.xids.active(now, self.xid_hold)
         unsupported = self._xid_unavailable or self._xid_unsupported.get(state.index)
         return rules.xid_verdict(active, unsupported)
 
@@ -236,6 +241,7 @@ class HealthTracker:
                 if name not in verdicts and name not in state.states.current:
                     verdicts[name] = unread
             return verdicts
+        verdicts["recovery"] = self._recovery(state, sig)
         verdicts["ecc"] = self._ecc(state, sig, now)
         verdicts["remapped_rows"] = self._signal(
             sig, "remapped_rows", sig.remapped_rows, rules.remapped_rows_verdict
@@ -248,6 +254,15 @@ class HealthTracker:
         verdicts["pcie"] = self._pcie(state, sig, now)
         verdicts["nvlink"] = self._nvlink(state, sig, now)
         return verdicts
+
+    def _recovery(self, state: _Gpu, sig: GpuHealthSignals) -> Verdict:
+        if sig.recovery_action is None:
+            if "recovery_action" in sig.absent:
+                state.recovery_field = False
+                return Verdict("not_supported", NOT_REPORTED)
+            return self._missing(sig, "recovery_action")
+        state.recovery_field = True
+        return recovery_verdict(sig.recovery_action)
 
     def _pcie(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
         if state.pcie_link != sig.pcie:
@@ -264,7 +279,11 @@ class HealthTracker:
             self._snapshot = None
         if sig.nvlinks is None:
             return self._missing(sig, "nvlink")
-        return state.nvlink.verdict(sig.nvlinks, now)
+        seen = len(state.nvlink.seen_up)
+        verdict = state.nvlink.verdict(sig.nvlinks, now)
+        if len(state.nvlink.seen_up) != seen:
+            self.unsaved = True
+        return verdict
 
     @staticmethod
     def _missing(sig: GpuHealthSignals, name: str) -> Verdict:
@@ -350,8 +369,8 @@ class HealthTracker:
                         state=state,
                         action=action,
                         checks=MappingProxyType(ordered),
-                        xid_counts=MappingProxyType(dict(s.xid_counts)),
-                        last_xid=s.last_xid,
+                        xid_counts=MappingProxyType(dict(s.xids.counts)),
+                        last_xid=s.xids.last,
                         pcie=s.pcie_link,
                         nvlinks=s.nvlinks,
                     )

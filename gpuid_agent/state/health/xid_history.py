@@ -1,0 +1,121 @@
+"""One GPU's XIDs over time: counts, the latched ones, the recent ones, and the repeats.
+
+A latched XID holds until the GPU is reset, the node reboots or an operator clears it
+(`clear`); the others hold for `XID_HOLD`. Repeats escalate twice over: the same code
+`repeat_count` times within `repeat_window` raises its action one step, and the same code
+seen in three boots (again after two reboots) asks for hardware inspection. What must outlive
+the agent (latched codes, the boots each code was seen in) goes to and from `as_state`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuid_agent.state.health import checks as rules
+from gpuid_agent.state.health.xid import (
+    XidClass,
+    XidDetail,
+    escalate,
+    escalate_after_reboots,
+    judge_xid,
+)
+
+BOOTS_KEPT = 3  # the boots a code is remembered in: enough for "again after two reboots"
+
+
+@dataclass(slots=True)
+class XidHistory:
+    repeat_count: int = 0
+    repeat_window: float = 3600.0
+    counts: Counter[int] = field(default_factory=Counter)
+    last: int | None = None
+    latched: dict[int, XidClass] = field(default_factory=dict)  # by code
+    recent: list[tuple[float, XidClass]] = field(default_factory=list)
+    times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
+    boots: dict[int, list[str]] = field(default_factory=dict)  # per code, oldest first
+
+    def record(
+        self,
+        code: int,
+        now: float,
+        boot: str | None,
+        *,
+        detail: XidDetail | None = None,
+        recovery_field: bool = True,
+    ) -> bool:
+        """Count one occurrence; True when what outlives the agent changed."""
+        self.counts[code] += 1
+        self.last = code
+        cls = judge_xid(code, detail, recovery_field=recovery_field)
+        if cls.state == "healthy":
+            return False
+        changed = False
+        if boot is not None:
+            seen = self.boots.setdefault(cls.code, [])
+            if boot not in seen:
+                seen.append(boot)
+                del seen[:-BOOTS_KEPT]
+                changed = True
+            cls = escalate_after_reboots(cls, len(seen))
+        cls = self._repeated(cls, now)
+        if cls.latched:
+            changed |= cls.code not in self.latched
+            self.latched[cls.code] = (
+                rules.worst_xid([c for c in (self.latched.get(cls.code), cls) if c]) or cls
+            )
+        else:
+            self.recent.append((now, cls))
+        return changed
+
+    def _repeated(self, cls: XidClass, now: float) -> XidClass:
+        seen = self.times.setdefault(cls.code, deque())
+        seen.append(now)
+        while seen and seen[0] <= now - self.repeat_window:
+            seen.popleft()
+        if self.repeat_count <= 0 or len(seen) < self.repeat_count:
+            return cls
+        return escalate(cls, len(seen), rules.format_window(self.repeat_window))
+
+    def active(self, now: float, hold: float) -> XidClass | None:
+        """The worst XID holding now (latched, or recent within `hold`)."""
+        self.recent = [(t, c) for t, c in self.recent if now - t < hold]
+        return rules.worst_xid([*self.latched.values(), *(c for _, c in self.recent)])
+
+    def clear(self) -> bool:
+        """Forget what holds the GPU's state (after a reset, a reboot or an operator's
+        request); counts and the boots each code was seen in stay. True when something
+        was cleared."""
+        had = bool(self.latched or self.recent)
+        self.latched.clear()
+        self.recent.clear()
+        self.times.clear()
+        return had
+
+    # ---- across restarts -----------------------------------------------------------------
+
+    def as_state(self, boot: str | None) -> dict[str, Any]:
+        return {
+            "latched": [{"code": code, "boot_id": boot} for code in sorted(self.latched)],
+            "boots": {str(code): list(seen) for code, seen in sorted(self.boots.items())},
+        }
+
+    def restore(self, saved: Mapping[str, Any], boot: str | None) -> None:
+        """Take back what a previous run saved. Latched codes of another boot are gone (the
+        reboot was their reset); a malformed entry is skipped (the caller validated the
+        shape)."""
+        for code, seen in saved.get("boots", {}).items():
+            self.boots[int(code)] = [str(b) for b in _strings(seen)][-BOOTS_KEPT:]
+        for item in saved.get("latched", []):
+            if boot is None or item.get("boot_id") != boot:
+                continue
+            cls = judge_xid(int(item["code"]))
+            if cls.latched:
+                seen = len(self.boots.get(cls.code, ()))
+                self.latched[cls.code] = escalate_after_reboots(cls, seen)
+
+
+def _strings(values: Iterable[Any]) -> list[str]:
+    return [v for v in values if isinstance(v, str)]
