@@ -104,7 +104,7 @@ class HealthMonitor:
         )
         transitions.extend(await self._operator_clears())
         self._note_recovery_field(signals)
-        if self.tracker.unsaved:
+        if self.tracker.unsaved and self.file.path is not None:
             self.tracker.unsaved = False
             await asyncio.to_thread(self.file.save, self.tracker.as_state())
         if self.xid.unavailable:
