@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _health_clear(settings: Settings, gpu: str) -> int:
-    from gpuid_agent.state.health.health_file import write_clear_request
+    from gpuid_agent.runtime.clear_requests import write_clear_request
 
     if not settings.state_dir:
         print("gpuid-agent: STATE_DIR is not set: the agent keeps no health state", file=sys.stderr)

@@ -278,9 +278,11 @@ async def test_expected_count_from_the_kubelets_allocatable_gpus(
         expected_gpu_count=-1,
     ) as run:
         check = await eventually(
-            lambda: (c := node_health(run.agent).node_checks.get("gpu_count"))
-            and c.state == state
-            and c
+            lambda: (
+                (c := node_health(run.agent).node_checks.get("gpu_count"))
+                and c.state == state
+                and c
+            )
         )
         assert ("kubelet allocatable" in (check.reason or "")) == (state == "unhealthy")
 

@@ -6,17 +6,12 @@ boots each XID was seen in (for "again after two reboots") and the NVLinks seen 
 hostile input like every state file: anything that does not read back as that shape is
 logged once and left out (the GPU starts afresh), never a reason to fail.
 
-A clear request is a small file `gpuid-agent health clear <uuid|index>` drops into the
-state directory (run through `kubectl exec`, so Kubernetes RBAC decides who may); the
-running agent takes each one at its next collection and removes it. A request that does not
-read back is renamed `*.rejected` and logged.
+Clear requests (`gpuid-agent health clear`) are taken from STATE_DIR/health-clear/ each
+collection: see `runtime.clear_requests`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,14 +19,13 @@ from typing import Any
 import orjson
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.clear_requests import CLEAR_DIR, take_clear_requests
 from gpuid_agent.state.state_file import write_atomically
 
 _log = log.get("health.state")
 STATE_FILE = "health.json"
-CLEAR_DIR = "health-clear"
 STATE_VERSION = 1
 BOOT_ID = "sys/kernel/random/boot_id"
-_SELECTOR_LIMIT = 128
 
 
 def read_boot_id(proc: str) -> str | None:
@@ -93,50 +87,9 @@ class HealthFile:
             return
         self._last = payload
 
-    # ---- clear requests ------------------------------------------------------------------
-
     def take_clear_requests(self) -> list[str]:
-        """The GPU selectors (UUID or index) of the pending requests, oldest first; each
-        request file is removed once read."""
-        if self.clear_dir is None:
-            return []
-        try:
-            files = sorted(
-                (p for p in self.clear_dir.iterdir() if p.suffix == ".json"),
-                key=lambda p: (p.stat().st_mtime_ns, p.name),
-            )
-        except OSError:
-            return []
-        selectors = []
-        for path in files:
-            try:
-                doc = orjson.loads(path.read_bytes())
-                gpu = doc.get("gpu") if isinstance(doc, dict) else None
-                if not isinstance(gpu, str) or not 0 < len(gpu) <= _SELECTOR_LIMIT:
-                    raise ValueError("no GPU named")
-                path.unlink()
-            except (OSError, orjson.JSONDecodeError, ValueError) as exc:
-                _log.warning(
-                    "rejected health clear request", extra={"path": str(path), "error": str(exc)}
-                )
-                _set_aside(path)
-                continue
-            selectors.append(gpu)
-        return selectors
-
-
-def write_clear_request(state_dir: str, gpu: str) -> Path:
-    """Drop a request to clear `gpu`'s latched state where the running agent will take it."""
-    if not 0 < len(gpu) <= _SELECTOR_LIMIT or not gpu.isprintable():
-        raise ValueError(f"not a GPU UUID or index: {gpu!r}")
-    path = Path(state_dir) / CLEAR_DIR / f"{uuid.uuid4().hex}.json"
-    write_atomically(path, orjson.dumps({"gpu": gpu, "pid": os.getpid()}))
-    return path
-
-
-def _set_aside(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.rename(path.with_suffix(".rejected"))
+        """The GPUs (UUID or index) operators asked to clear; see `runtime.clear_requests`."""
+        return take_clear_requests(self.clear_dir) if self.clear_dir else []
 
 
 def _get(doc: object, key: str) -> object:
