@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+import pynvml
 
 from benchmarks.common import Row, median, percentile
 from gpuid_agent.agent import Agent
@@ -59,19 +62,24 @@ def _tracker_cost() -> float:
     return median(samples) * 1e6
 
 
-async def _read_cost_fake_library(links: bool = False) -> tuple[float, str]:
+async def _read_cost_fake_library(
+    links: bool = False, recovery: bool = False
+) -> tuple[float, str, float]:
     """HealthReader.read for 8 GPUs through the real pynvml and the C fake library; with
-    `links`, each GPU also has a PCIe link and 18 NVLinks with error counters."""
+    `links`, each GPU also has a PCIe link and 18 NVLinks with error counters; with
+    `recovery`, the driver reports field 230. Also the field 230 read alone, 8 GPUs (µs)."""
     try:
         from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml, with_links
     except ImportError:
-        return float("nan"), "tests package not importable"
+        return float("nan"), "tests package not importable", float("nan")
     with tempfile.TemporaryDirectory() as tmp:
         lib = build_fake_nvml(Path(tmp))
         config = Path(tmp) / "fake.conf"
         node = h100x8()
         if links:
             node.gpus = [with_links(g) for g in node.gpus]
+        for gpu in node.gpus:
+            gpu.recovery_action = 0 if recovery else None
         node.write(config)
         os.environ["FAKE_NVML_CONFIG"] = str(config)
         load_fake_into_pynvml(lib)
@@ -87,10 +95,19 @@ async def _read_cost_fake_library(links: bool = False) -> tuple[float, str]:
                 started = time.perf_counter()
                 await source.run(lambda: reader.read(targets))
                 samples.append(time.perf_counter() - started)
+            handles = [api.handle_by_index(i) for i in sorted(targets)]
+            fields = []
+            for _ in range(300):
+                started = time.perf_counter()
+                for handle in handles:
+                    with contextlib.suppress(pynvml.NVMLError):
+                        api.recovery_action(handle)
+                fields.append(time.perf_counter() - started)
         finally:
             await source.close()
             os.environ.pop("FAKE_NVML_CONFIG", None)
-    return median(samples) * 1e3, "C fake libnvidia-ml; a real driver adds its own call cost"
+    note = "C fake libnvidia-ml; a real driver adds its own call cost"
+    return median(samples) * 1e3, note, median(fields) * 1e6
 
 
 def _render_cost() -> tuple[float, float, int, int]:
@@ -187,9 +204,14 @@ async def run() -> list[Row]:
     rows = [
         Row("health", "evaluate 8 GPUs (observe + snapshot)", _tracker_cost(), "µs", "median"),
     ]
-    read_ms, note = await _read_cost_fake_library()
+    read_ms, note, _ = await _read_cost_fake_library()
+    rows.append(Row("health", "read health signals, 8 GPUs, no field 230", read_ms, "ms", note))
+    read_ms, note, field_us = await _read_cost_fake_library(recovery=True)
     rows.append(Row("health", "read health signals, 8 GPUs", read_ms, "ms", note))
-    read_ms, note = await _read_cost_fake_library(links=True)
+    rows.append(
+        Row("health", "recovery action (field 230) alone, 8 GPUs", field_us, "µs", "median")
+    )
+    read_ms, note, _ = await _read_cost_fake_library(links=True, recovery=True)
     rows.append(
         Row("health", "read health signals, 8 GPUs, PCIe + 18 NVLinks each", read_ms, "ms", note)
     )

@@ -40,7 +40,13 @@ async def run() -> list[Row]:
     return [
         Row("records", "to_wire (id hashed)", len(records) / wire, "records/s", note),
         Row("records", "json lines encode", len(records) / encode, "records/s", note),
-        Row("records", "json lines read back (typed, ids checked)", len(records) / decode, "records/s", note),
+        Row(
+            "records",
+            "json lines read back (typed, ids checked)",
+            len(records) / decode,
+            "records/s",
+            note,
+        ),
         Row("records", "orjson parse alone", len(records) / parse, "records/s", "same bytes"),
         Row("records", "read back / parse alone", decode / parse, "x", "time ratio, same run"),
     ]
