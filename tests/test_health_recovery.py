@@ -8,10 +8,12 @@ import io
 
 import pynvml
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi, _field_int
 from tests import fakenvml
 from tests.conftest import node_health, running_agent, settings
 from tests.fakekubelet import FakeKubelet, pod
@@ -158,3 +160,14 @@ async def test_an_xid_on_a_mig_device_names_only_that_devices_holders(
         [record] = await eventually(lambda: [r for r in _health(out) if r["check"] == "xid"])
     assert record["state"] == "degraded" and record["reason"].startswith("XID 31")
     assert [h["pod"] for h in record["holders"]] == ["small"]
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
+def test_a_field_value_of_any_type_decodes_or_is_refused(value_type: int, raw: int) -> None:
+    entry = pynvml.c_nvmlFieldValue_t()
+    entry.fieldId, entry.valueType, entry.value.ullVal = 230, value_type, raw
+    if value_type in (1, 2, 3, 4, 5, 6):
+        assert isinstance(_field_int(entry), int)
+    else:  # a double or an unknown type: the read fails that one field, never the pass
+        with pytest.raises(ValueError, match="no integer"):
+            _field_int(entry)
