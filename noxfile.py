@@ -1,4 +1,5 @@
-"""Project automation: `nox -s lint tests` (what CI runs), `bench`, `docs`, `sbom`, `proto`."""
+"""Project automation: `nox -s lint tests` (what CI runs), `image`, `bench`, `docs`, `sbom`,
+`proto`."""
 
 from __future__ import annotations
 
@@ -77,18 +78,42 @@ def sbom(session: nox.Session) -> None:
     # As in the image: nothing imports pip or setuptools at run time.
     session.run(pip, "uninstall", "--quiet", "--yes", "pip", "setuptools", external=True)
     output = session.posargs[0] if session.posargs else "sbom.cdx.json"
+    cyclonedx(session, runtime / "bin" / "python", output)
+
+
+def cyclonedx(session: nox.Session, python: Path, output: str, root: bool = True) -> None:
+    """CycloneDX JSON of what `python`'s environment has installed; pyproject.toml is the
+    root component, or (root=False) the project's own distribution is listed like the rest."""
     session.run(
         "cyclonedx-py",
         "environment",
-        "--pyproject",
-        "pyproject.toml",
+        *(["--pyproject", "pyproject.toml"] if root else []),
         "--output-format",
         "JSON",
         "--output-reproducible",
         "--output-file",
         output,
-        str(runtime / "bin" / "python"),
+        str(python),
     )
+
+
+@nox.session
+def image(session: nox.Session) -> None:
+    """Build docker/Dockerfile with buildah on a stand-in Debian base (buildah, podman, runc
+    and mmdebstrap apt-installed where missing; the base built once, cached), write its SBOM
+    (sbom-image.cdx.json, from the image's own venv), then run tests/image: the image alone
+    and the chart's pod under podman as the kubelet runs it."""
+    session.install("-e", ".[test]", "cyclonedx-bom>=4")
+    out = session.run("python", "-m", "tests.image.build", silent=True)
+    ref = str(out).strip().splitlines()[-1]
+    venv = Path(session.create_tmp()) / "image-venv"
+    session.run("python", "-m", "tests.image.build", "--export-venv", str(venv), "--tag", ref)
+    cyclonedx(session, venv / "bin" / "python", "sbom-image.cdx.json", root=False)
+    facts = Path(session.create_tmp()) / "image-facts.json"
+    env = {"GPUID_AGENT_IMAGE": ref, "IMAGE_SBOM": "sbom-image.cdx.json", "IMAGE_FACTS": str(facts)}
+    session.run("pytest", "tests/image", *session.posargs, env=env)
+    if facts.exists():
+        session.log(facts.read_text())
 
 
 PROTO = "gpuid_agent/sources/kubelet/v1/api.proto"

@@ -192,6 +192,8 @@ class Agent:
                 spawn("resourceslices", slices.run())
         spawn("pod-resources", self.attributor.source.run())
         spawn("attribution", self.collector.follow_attribution())
+        if self.collector.health.kernel is not None:
+            spawn("kernel-log", self.collector.follow_kernel_log())
         if (conditions := self.conditions) is not None and conditions.open(kube):
             spawn("node-conditions", conditions.run())
             spawn(
@@ -221,8 +223,9 @@ class Agent:
 
         sup = self.supervisor
         await sup.stop(
-            "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness"
-        )
+            "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness",
+            "kernel-log",
+        )  # fmt: skip
         self.collector.release_held()
         self.bus.close()  # each consumer publishes what the last snapshot owes, then returns
         for name in (

@@ -111,13 +111,28 @@ class PcieLink(NamedTuple):
     gpu_max_gen: int | None = None
 
 
+class PcieAer(NamedTuple):
+    """PCIe AER error counters of the GPU's link since the driver loaded
+    (NVML_FI_DEV_PCIE_COUNT_{CORRECTABLE_ERRORS,NON_FATAL_ERROR,FATAL_ERROR}); None: not
+    reported."""
+
+    correctable: int | None
+    non_fatal: int | None
+    fatal: int | None
+
+
+PCIE_AER_COUNTERS = PcieAer._fields
+
+
 # NVML_NVLINK_ERROR_DL_* counter ids, in the order NvLink.errors holds them
 NVLINK_COUNTERS = ("replay", "recovery", "crc_flit", "crc_data")
 
 
 class NvLink(NamedTuple):
-    """One NVLink: active or not, and its data-link error counters (None: not reported)."""
+    """One NVLink: active or not, its data-link error counters and its speed in MB/s (None:
+    not reported)."""
 
     link: int
     active: bool
     errors: tuple[int | None, ...] = (None, None, None, None)
+    speed_mbps: int | None = None

@@ -17,6 +17,8 @@ from gpuid_agent.state.health.verdicts import NodeHealth
 
 # The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
 pytest_plugins = ["tests.servers.fixtures"]
+# tests/image/ runs in `nox -s image`, against the image that session builds and names.
+collect_ignore = [] if os.environ.get("GPUID_AGENT_IMAGE") else ["image"]
 
 
 @pytest.fixture(autouse=True)

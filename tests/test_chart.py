@@ -263,12 +263,16 @@ def test_every_container_is_hardened() -> None:
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for key in ("hostNetwork", "hostPID", "hostIPC"):
             assert not pod.get(key), f"{name}: {key}"
+        values = load_values(CHART / "ci" / name.split("@")[0])
+        kernel_log = values.get("kernelLog", {}).get("enabled", False)
         for container in containers(daemonset):
             ctx = container["securityContext"]
-            assert ctx["allowPrivilegeEscalation"] is False, name
+            # reading /dev/kmsg is the one opt-in that needs a privileged agent
+            privileged = kernel_log and container["name"] == "agent"
+            assert ctx["allowPrivilegeEscalation"] is privileged, name
             assert ctx["readOnlyRootFilesystem"] is True, name
             assert ctx["capabilities"]["drop"] == ["ALL"], name
-            assert not ctx.get("privileged"), name
+            assert bool(ctx.get("privileged")) is privileged, name
             added = ctx["capabilities"].get("add", [])
             if container["name"] == "agent":
                 assert not added, f"{name}: the agent needs no capability"
@@ -311,6 +315,7 @@ HOST_PATHS = {
     "machine-id": ("File", True, "MACHINE_ID_PATH"),
     "driver-root": ("Directory", True, "NVML_LIBRARY_PATH"),
     "host-proc": ("Directory", True, "HOST_PROC"),
+    "kmsg": ("CharDevice", True, "KERNEL_LOG"),
     "spool": ("DirectoryOrCreate", False, "SPOOL_DIR"),
 }
 
@@ -347,6 +352,16 @@ def test_process_attribution_mounts_the_host_proc_read_only_without_host_pid() -
     assert mount["readOnly"] is True and mount["mountPath"] == env["HOST_PROC"]["value"]
     assert env["PROCESS_ATTRIBUTION"]["value"] == "true"
     assert not daemonset["spec"]["template"]["spec"].get("hostPID")
+
+
+def test_kernel_log_is_opt_in_and_mounts_the_device_read_only() -> None:
+    default = agent_container(rendered("default-values.yaml", newest_supported()).one("DaemonSet"))
+    assert "KERNEL_LOG" not in _env(default)
+    daemonset = rendered("kernel-log-values.yaml", newest_supported()).one("DaemonSet")
+    env = _env(agent_container(daemonset))
+    volume, mount = _mounts(daemonset)["kmsg"]
+    assert volume["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
+    assert mount["readOnly"] is True and mount["mountPath"] == env["KERNEL_LOG"]["value"]
 
 
 def test_probes_hit_healthz_and_readyz_on_the_agent_port() -> None:

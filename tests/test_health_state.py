@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from gpuid_agent.facts import GpuIdentity
+from gpuid_agent.sources.nvml.signals import XidEvent
 from gpuid_agent.state.health.health_file import STATE_FILE, HealthFile
 from gpuid_agent.state.health.tracker import HealthTracker
+from gpuid_agent.state.health.xid import XidDetail
 from tests import fakenvml
 from tests.conftest import node_health
 from tests.fakenvml.fixtures import FakeNvml
@@ -34,7 +37,7 @@ def _proc(root: Path, boot: str) -> str:
 
 def _config() -> fakenvml.FakeNvmlConfig:
     config = fakenvml.h100x8()
-    config.gpus = [fakenvml.with_links(g, nvlinks=4) for g in config.gpus[:2]]
+    config.gpus = [fakenvml.with_links(g) for g in config.gpus[:2]]  # an H100's 18 links
     return config
 
 
@@ -62,7 +65,7 @@ async def test_a_latched_xid_outlives_a_restart_and_clears_with_a_reboot(
     assert (first["xid"].state, first["xid"].action) == ("unhealthy", "reboot")
     saved = orjson.loads((tmp_path / "state" / STATE_FILE).read_bytes())
     [gpu1] = [g for g in saved["gpus"].values() if g["latched"]]
-    assert gpu1["latched"] == [{"code": 79, "boot_id": "boot-a"}]
+    assert gpu1["latched"] == [{"code": 79, "boot_id": "boot-a", "bucket": "RESTART_BM"}]
 
     restarted = await _run_with_xid(fake_nvml, tmp_path, "boot-a", None)
     assert (restarted["xid"].state, restarted["xid"].action) == ("unhealthy", "reboot")
@@ -161,7 +164,8 @@ _shaped = st.fixed_dictionaries(
                 optional={
                     "latched": st.lists(
                         st.fixed_dictionaries(
-                            {"code": _json | st.integers(0, 200), "boot_id": _json | st.just("b")}
+                            {"code": _json | st.integers(0, 200), "boot_id": _json | st.just("b")},
+                            optional={"bucket": _json | st.sampled_from(["RESET_GPU", "x y"])},
                         ),
                         max_size=3,
                     )
@@ -196,6 +200,20 @@ def test_a_hostile_health_file_never_stops_the_tracker(
         tracker.observe(gpus, {}, {})
         assert {g.uuid for g in tracker.snapshot().gpus} == {"GPU-0", "GPU-1"}
         orjson.dumps(tracker.as_state())
+
+
+def test_a_kernel_lines_latched_verdict_outlives_a_restart(tmp_path: Path) -> None:
+    gpus = [GpuIdentity(index=0, uuid="GPU-0", name="NVIDIA GB200")]
+    line = XidDetail(subcode=37, bucket="RESET_GPU", text="NETIR_LINK_EVT fatal: RESET_GPU")
+    first = HealthTracker(boot_id="b", kernel_log=True)
+    first.observe(gpus, {}, {})
+    first.record_xid(XidEvent(0, "GPU-0", 149, datetime.now(UTC)), line, source="kernel")
+    HealthFile(str(tmp_path)).save(first.as_state())
+    again = HealthTracker(boot_id="b")
+    again.restore(HealthFile(str(tmp_path)).load())
+    again.observe(gpus, {}, {})
+    xid = again.snapshot().gpus[0].checks["xid"]
+    assert (xid.state, xid.action) == ("unhealthy", "reset")  # not the code's plain "degraded"
 
 
 def _encodable(doc: Any) -> bool:

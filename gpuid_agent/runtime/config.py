@@ -319,6 +319,12 @@ class Settings(OtelSettings):
         ge=0,
         description="PCIe replays within HEALTH_WINDOW that degrade the link check (0: never).",
     )
+    kernel_log: str = Field(
+        "",
+        pattern=r"^(/.*)?$",
+        description="Kernel log device read for NVIDIA driver lines (/dev/kmsg): XID detail, "
+        "GPUs fallen off the bus, NVSwitch SXIDs; empty: not read.",
+    )
     fault: Annotated[CommaList, AfterValidator(_faults)] = Field(
         default_factory=list,
         description="Faults a simulated node injects: <kind>:gpu<N>[@<delay>], comma list "

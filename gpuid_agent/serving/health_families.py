@@ -7,14 +7,15 @@ Names and (snake_case) labels are the same under both namings (dcgm-exporter has
 equivalent), except that dcgm naming also gets DCGM_FI_DEV_XID_ERRORS: the last XID seen, as
 dcgm-exporter reports it, with its labels.
 NVLink state is per link (a `link` label) and error counters per GPU and counter, families of
-their own under both namings.
+their own under both namings, as are the PCIe AER counters (by severity: correctable,
+non_fatal, fatal; a GPU whose driver does not report them has no series).
 """
 
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuid_agent.facts import NVLINK_COUNTERS, NodeInventory
+from gpuid_agent.facts import NVLINK_COUNTERS, PCIE_AER_COUNTERS, NodeInventory
 from gpuid_agent.serving.metrics_fields import (
     DCGM_XID,
     HEALTH_STATE,
@@ -22,6 +23,7 @@ from gpuid_agent.serving.metrics_fields import (
     NODE_HEALTH_STATE,
     NVLINK_ERRORS,
     NVLINK_UP,
+    PCIE_AER_ERRORS,
     XID_ERRORS,
     Naming,
     label_values,
@@ -60,6 +62,12 @@ def build_health_families(
         "counter (replay, recovery, crc_flit, crc_data).",
         labels=[*label_names, "counter"],
     )
+    aer = CounterMetricFamily(
+        PCIE_AER_ERRORS,
+        "PCIe AER errors of the GPU's link since the driver loaded, by counter (correctable, "
+        "non_fatal, fatal).",
+        labels=[*label_names, "counter"],
+    )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
         gpu = by_uuid.get(gpu_health.uuid)
@@ -80,6 +88,10 @@ def build_health_families(
                     totals[counter] = totals.get(counter, 0) + errors
         for counter, total in totals.items():
             nvlink_errors.add_metric([*values, counter], total)
+        if gpu_health.pcie_aer is not None:
+            for kind, errors_seen in zip(PCIE_AER_COUNTERS, gpu_health.pcie_aer, strict=True):
+                if errors_seen is not None:
+                    aer.add_metric([*values, kind], errors_seen)
     node = GaugeMetricFamily(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
@@ -87,7 +99,7 @@ def build_health_families(
     )
     for name, check in health.node_checks.items():
         node.add_metric([inventory.node, name, check.state, check.action], 1)
-    families: list[Metric] = [state, node, xids, nvlink_up, nvlink_errors]
+    families: list[Metric] = [state, node, xids, nvlink_up, nvlink_errors, aer]
     if dcgm:
         families.append(last_xid)
     return families

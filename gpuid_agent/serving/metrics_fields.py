@@ -365,6 +365,7 @@ XID_ERRORS = "gpuid_gpu_xid_errors"  # exposed as gpuid_gpu_xid_errors_total
 DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
 NVLINK_UP = "gpuid_gpu_nvlink_up"
 NVLINK_ERRORS = "gpuid_gpu_nvlink_errors"  # exposed as gpuid_gpu_nvlink_errors_total
+PCIE_AER_ERRORS = "gpuid_gpu_pcie_aer_errors"  # exposed as gpuid_gpu_pcie_aer_errors_total
 
 
 def health_metric_names(naming: Naming) -> list[str]:
@@ -374,5 +375,6 @@ def health_metric_names(naming: Naming) -> list[str]:
         f"{XID_ERRORS}_total",
         NVLINK_UP,
         f"{NVLINK_ERRORS}_total",
+        f"{PCIE_AER_ERRORS}_total",
     ]
     return [*names, DCGM_XID] if naming == "dcgm" else names

@@ -25,6 +25,7 @@ def collector_config(settings: Settings) -> CollectorConfig:
             collect_interval=settings.collect_interval,
             state_dir=settings.state_dir,
             host_proc=settings.host_proc,
+            kernel_log=settings.kernel_log,
         ),
     )
 

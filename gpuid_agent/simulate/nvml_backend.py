@@ -13,6 +13,7 @@ import pynvml
 from gpuid_agent.facts import PlatformInfo
 from gpuid_agent.runtime.fault_spec import Fault, parse_fault
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
+from gpuid_agent.sources.nvml.fields import RECOVERY_ACTION_FIELD
 from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
@@ -237,10 +238,6 @@ class SimulatedNvml:
         failure = self._fault(gpu, "remap-failure") is not None
         return RemappedRows(0, int(pending or failure), pending, failure)
 
-    def recovery_action(self, handle: Any) -> int:
-        self._gpu(handle)
-        return 0  # the driver asks for nothing: a simulated GPU recovers on its own
-
     def clocks_event_reasons(self, handle: Any) -> int:
         gpu = self._gpu(handle)
         mask = 0
@@ -329,6 +326,11 @@ class SimulatedNvml:
         if fault is None or counter != pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT:
             return 0
         return 1 + int(5 * self._since(fault))  # CRC flit errors, five a second
+
+    def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+        self._gpu(handle)
+        # the recovery action only, and it asks for nothing: a simulated GPU recovers alone
+        return [0 if field == RECOVERY_ACTION_FIELD else None for field, _ in fields]
 
     # ---- XID events ----------------------------------------------------------------------
 

@@ -271,6 +271,13 @@ class Collector:
     def _xid(self, event: XidEvent) -> None:
         self._publish("xid", self.health.record_xid(event))
 
+    async def follow_kernel_log(self) -> None:
+        """A new snapshot whenever a kernel log line changes a verdict (KERNEL_LOG set)."""
+        if self.health.kernel is not None:
+            await self.health.kernel.follow(
+                lambda: self.inventory, lambda ts: self._publish("xid", ts)
+            )
+
     async def follow_attribution(self) -> None:
         """A new snapshot whenever the kubelet mapping or the pod metadata changes."""
         while True:

@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -212,8 +213,10 @@ class FakeKube:
         history: int = 10_000,
         user: str = "system:serviceaccount:gpuid:gpuid-agent",
         resource_versions: tuple[str, ...] = RESOURCE_VERSIONS,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.host = "127.0.0.1"
+        self.ssl_context = ssl_context  # HTTPS, as a real API server serves
         # the resource.k8s.io versions served (older clusters: v1beta1 only; () none at all)
         self.resource_versions = resource_versions
         self.port = port
@@ -230,7 +233,8 @@ class FakeKube:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.ssl_context else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -245,7 +249,9 @@ class FakeKube:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(
+            runner, self.host, self.port, reuse_address=True, ssl_context=self.ssl_context
+        )
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []

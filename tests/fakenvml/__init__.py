@@ -267,7 +267,11 @@ class FakeGpu:
     nvlink_crc_flit: str | None = None
     nvlink_crc_data: str | None = None
     supported_events: int | None = None
-    # nvmlDeviceGetFieldValues: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (field 230)
+    # nvmlDeviceGetFieldValues: "<field id>" or "<field id>:<scope id>" -> value; per-entry
+    # errors are error keys "field.<id>" / "field.<id>.<scope>"
+    fields: dict[str, int] = field(default_factory=dict)
+    # field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (0 none, 1 reset, 2 reboot, 3 drain P2P,
+    # 4 drain and reset): written as `field 230`, where `fields` does not set it
     recovery_action: int | None = None
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)
@@ -283,7 +287,10 @@ class FakeGpu:
 
 
 _PROCESS_FIELDS = frozenset({"processes", "mps_processes", "process_util"})
-_SPECIAL_GPU_FIELDS = frozenset({"lost", "errors", "mig", "xids", "blocks"}) | _PROCESS_FIELDS
+_SPECIAL_GPU_FIELDS = (
+    frozenset({"lost", "errors", "mig", "xids", "blocks", "fields", "recovery_action"})
+    | _PROCESS_FIELDS
+)
 _SPECIAL_MIG_FIELDS = frozenset({"errors"})
 
 
@@ -339,6 +346,10 @@ class FakeNvmlConfig:
                 lines.append(f"{prefix} error {key} {int(rc)}")
             for xid in gpu.xids:
                 lines.append(f"{prefix} xid {' '.join(str(int(v)) for v in xid)}")
+            fields = gpu.fields
+            if gpu.recovery_action is not None:
+                fields = {"230": gpu.recovery_action, **fields}
+            lines.extend(f"{prefix} field {key} {int(v)}" for key, v in fields.items())
             for key, secs in gpu.blocks.items():
                 lines.append(f"{prefix} block {key} {float(secs)!r}")
             lines.extend(f"{prefix} process {p.statement()}" for p in gpu.processes)

@@ -31,6 +31,8 @@
  *   gpu <i> <key> <value...>         a property of GPU i (0-based)
  *   gpu <i> error <field-key> <nvmlReturn>
  *   gpu <i> xid <code> <after_n_waits> [<gpu_instance_id> <compute_instance_id>]
+ *   gpu <i> field <id>[:<scope>] <value> a value nvmlDeviceGetFieldValues reads
+ *                   (see the field values block at the end of this file)
  *   gpu <i> mig <j> <key> <value...> a property of MIG device j of GPU i
  *   gpu <i> mig <j> error <field-key> <nvmlReturn>
  *   block <symbol> <seconds>         every call of that exported function hangs
@@ -71,8 +73,6 @@
  *                   as drivers that predate the health summary do
  *   fabric_cluster_uuid  UUID text (dashes allowed) -> 16 bytes
  *   supported_events     64-bit mask, default 0x1f
- *   recovery_action, field_<id>   nvmlDeviceGetFieldValues entries (see the
- *                   field values block at the end of this file)
  *   lost            1: every call taking a handle of this GPU (or of one of
  *                   its MIG devices) returns NVML_ERROR_GPU_IS_LOST (15)
  * A call that returns several values (utilization, memory, remapped rows,
@@ -549,6 +549,14 @@ static void parse_gpu_line(char *rest) {
         g->xid[g->nxid].gi = (unsigned int)gi;
         g->xid[g->nxid].ci = (unsigned int)ci;
         g->nxid++;
+    } else if (strcmp(key, "field") == 0) {
+        /* stored as the key "field.<id>" or "field.<id>.<scope>" */
+        char *id = next_token(&rest), name[KEY_LEN];
+        if (!id) return;
+        snprintf(name, sizeof name, "field.%s", id);
+        for (char *c = name; *c; c++)
+            if (*c == ':') *c = '.';
+        kv_set(g->kv, &g->nkv, MAX_KV, name, trim(rest));
     } else if (strcmp(key, "mig") == 0) {
         unsigned long long j;
         if (!parse_u64(next_token(&rest), &j) || j >= MAX_MIG) return;
@@ -2186,15 +2194,15 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigne
 /* ======================================================================== */
 /* Field values (nvmlDeviceGetFieldValues)                                  */
 /*                                                                          */
-/* GPU keys:                                                                */
-/*   recovery_action <n>  field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION    */
-/*                        (0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, */
-/*                        4 drain and reset), an unsigned int value          */
-/*   field_<id> <n>       any other field id, an unsigned long long value    */
-/* An unset key answers that entry with NVML_ERROR_NOT_SUPPORTED in its      */
-/* nvmlReturn while the call itself succeeds, as drivers do.                 */
+/* "gpu <i> field <id>[:<scope>] <value>" sets a field (FakeGpu.fields; its  */
+/* recovery_action is field 230); a scoped statement wins over the unscoped */
+/* one for its scope.  Field 230 (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0    */
+/* none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset) reads  */
+/* as an unsigned int, as drivers give it; any other field as an unsigned   */
+/* long long.  An entry not set has its nvmlReturn at                      */
+/* NVML_ERROR_NOT_SUPPORTED while the call itself succeeds, as drivers do.  */
 /* Error keys: the function name or the group "field_values" fail the whole */
-/* call; "recovery_action" / "field_<id>" fail only that entry (its          */
+/* call; "field.<id>" or "field.<id>.<scope>" fail only that entry (its     */
 /* nvmlReturn).  Block keys: the function name or "field_values".           */
 
 typedef union {
@@ -2233,29 +2241,24 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
     clock_gettime(CLOCK_REALTIME, &ts);
     long long now_us = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000LL;
     for (int i = 0; i < valuesCount; i++) {
-        nvmlFieldValue_t *v = &values[i];
-        char name[32];
-        int recovery = v->fieldId == FIELD_RECOVERY_ACTION;
-        if (recovery)
-            copy_bounded(name, sizeof(name), "recovery_action");
-        else
-            snprintf(name, sizeof(name), "field_%u", v->fieldId);
-        unsigned long long x;
-        v->timestamp = now_us;
-        v->latencyUsec = 0;
-        memset(&v->value, 0, sizeof(v->value));
-        v->nvmlReturn = find_error(g->err, g->nerr, NULL, KEYS(name));
-        if (v->nvmlReturn != NVML_SUCCESS) continue;
-        if (!gpu_u64(g, name, &x)) {
-            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
-            continue;
-        }
-        if (recovery) {
-            v->valueType = VALUE_TYPE_UNSIGNED_INT;
-            v->value.uiVal = (unsigned int)x;
+        nvmlFieldValue_t *f = &values[i];
+        char scoped[KEY_LEN], plain[KEY_LEN];
+        snprintf(scoped, sizeof scoped, "field.%u.%u", f->fieldId, f->scopeId);
+        snprintf(plain, sizeof plain, "field.%u", f->fieldId);
+        unsigned long long v;
+        f->timestamp = now_us;
+        f->latencyUsec = 0;
+        memset(&f->value, 0, sizeof(f->value));
+        f->nvmlReturn = find_error(g->err, g->nerr, NULL, KEYS(scoped, plain));
+        if (f->nvmlReturn != NVML_SUCCESS) continue;
+        if (!gpu_u64(g, scoped, &v) && !gpu_u64(g, plain, &v)) {
+            f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        } else if (f->fieldId == FIELD_RECOVERY_ACTION) {
+            f->valueType = VALUE_TYPE_UNSIGNED_INT;
+            f->value.uiVal = (unsigned int)v;
         } else {
-            v->valueType = VALUE_TYPE_UNSIGNED_LONG_LONG;
-            v->value.ullVal = x;
+            f->valueType = VALUE_TYPE_UNSIGNED_LONG_LONG;
+            f->value.ullVal = v;
         }
     }
     RET(NVML_SUCCESS);

@@ -17,8 +17,11 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def make_ca_and_server(directory: Path) -> tuple[Path, ssl.SSLContext]:
-    """Write ca.pem (the bundle a client trusts); return it and the server's SSL context."""
+def make_ca_and_server(
+    directory: Path, addresses: tuple[str, ...] = ("127.0.0.1",)
+) -> tuple[Path, ssl.SSLContext]:
+    """Write ca.pem (the bundle a client trusts); return it and the server's SSL context.
+    The certificate names `addresses` (the first is its subject)."""
     now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
@@ -52,14 +55,16 @@ def make_ca_and_server(directory: Path) -> tuple[Path, ssl.SSLContext]:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name("127.0.0.1"))
+        .subject_name(_name(addresses[0]))
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+            ),
             critical=False,
         )
         .add_extension(

@@ -155,6 +155,9 @@ force skips API discovery (offline rendering), never the version. */}}
 {{- if $v.processAttribution.enabled }}
 {{- $_ := set $env "HOST_PROC" (printf "%s/proc" (include "gpuid-agent.hostDir" .)) }}
 {{- end }}
+{{- if $v.kernelLog.enabled }}
+{{- $_ := set $env "KERNEL_LOG" (printf "%s/dev/kmsg" (include "gpuid-agent.hostDir" .)) }}
+{{- end }}
 {{- $otlp := $ex.otlp }}
 {{- if or (has "otlp" $ex.types) $otlp.metrics.enabled }}
 {{- if $otlp.endpoint }}

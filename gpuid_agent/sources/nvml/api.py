@@ -8,7 +8,7 @@ does.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 from gpuid_agent.facts import PlatformInfo
@@ -57,8 +57,6 @@ class NvmlApi(Protocol):
     def clocks_event_reasons(self, handle: Handle) -> int: ...
     def fabric_info(self, handle: Handle) -> FabricInfo: ...
     def persistence_mode(self, handle: Handle) -> int: ...
-    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION through nvmlDeviceGetFieldValues (R565+ drivers)
-    def recovery_action(self, handle: Handle) -> int: ...
 
     # processes using the GPU (PROCESS_ATTRIBUTION); PIDs are host PIDs. A call with no
     # samples newer than `since_us` answers [] (NVML itself says NOT_FOUND).
@@ -74,6 +72,11 @@ class NvmlApi(Protocol):
     def pcie_link_max_width(self, handle: Handle) -> int: ...
     def nvlink_state(self, handle: Handle, link: int) -> int: ...
     def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int: ...
+    # nvmlDeviceGetFieldValues: one call for many (field id, scope id) pairs; an entry the
+    # driver could not read is None
+    def field_values(
+        self, handle: Handle, fields: Sequence[tuple[int, int]]
+    ) -> list[int | None]: ...
 
     # XID events; waited on in their own thread, never the NVML reader thread
     def event_set_create(self) -> EventSet: ...

@@ -3,7 +3,8 @@
 PCIe: the link counts as read when its current and maximum generation and width all read; the
 GPU's own maximum generation is extra (older drivers lack the call). NVLink: links are probed
 from 0 until NVML says there are no more (INVALID_ARGUMENT or NOT_SUPPORTED past link 0). A
-GPU whose link 0 is NOT_SUPPORTED has no NVLink: "not applicable", never an alarm.
+GPU whose link 0 is NOT_SUPPORTED has no NVLink: "not applicable", never an alarm. The AER
+counters and link speeds are field values (see `fields`).
 """
 
 from __future__ import annotations

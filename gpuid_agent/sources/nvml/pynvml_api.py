@@ -11,7 +11,7 @@ import ctypes
 import struct
 import threading
 import uuid as uuidlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import pynvml
@@ -27,9 +27,6 @@ from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 T = TypeVar("T")
 
 PLATFORM_INFO_V2 = (2 << 24) | 0x2C
-RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-# NVML_VALUE_TYPE_*: the integer members of nvmlValue_t
-_INT_VALUE_MEMBERS = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 _PLATFORM_V2 = struct.Struct("<I16s16s5B")
 
 
@@ -243,17 +240,6 @@ class PynvmlApi:
     def persistence_mode(self, handle: Handle) -> int:
         return int(pynvml.nvmlDeviceGetPersistenceMode(handle))
 
-    def recovery_action(self, handle: Handle) -> int:
-        # The call succeeds and each entry carries its own return code; a driver that does
-        # not know the field id answers that entry INVALID_ARGUMENT: not supported there.
-        [entry] = pynvml.nvmlDeviceGetFieldValues(handle, [RECOVERY_ACTION_FIELD])
-        rc = int(entry.nvmlReturn)
-        if rc == pynvml.NVML_ERROR_INVALID_ARGUMENT:
-            rc = pynvml.NVML_ERROR_NOT_SUPPORTED
-        if rc != pynvml.NVML_SUCCESS:
-            raise pynvml.NVMLError(rc)
-        return _field_int(entry)
-
     # ---- processes -----------------------------------------------------------------------
 
     def compute_processes(self, handle: Handle) -> list[ProcessInfo]:
@@ -307,6 +293,12 @@ class PynvmlApi:
     def nvlink_error_counter(self, handle: Handle, link: int, counter: int) -> int:
         return int(pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
 
+    def field_values(self, handle: Handle, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+        # The call succeeds and each entry carries its own return code (a driver that does
+        # not know a field id answers that entry INVALID_ARGUMENT): such an entry is None.
+        values = pynvml.nvmlDeviceGetFieldValues(handle, list(fields))
+        return [_field_value(v) for v in values]
+
     # ---- XID events ----------------------------------------------------------------------
 
     def event_set_create(self) -> EventSet:
@@ -335,14 +327,6 @@ class PynvmlApi:
 
 
 _NO_CALL = frozenset({NvmlFault.NO_CALL})
-
-
-def _field_int(entry: Any) -> int:
-    """An integer field value by its declared type; ValueError for another type."""
-    member = _INT_VALUE_MEMBERS.get(int(entry.valueType))
-    if member is None:
-        raise ValueError(f"field {entry.fieldId}: value type {entry.valueType} is no integer")
-    return int(getattr(entry.value, member))
 
 
 def _newer_or_older(
@@ -380,3 +364,21 @@ def _fabric(info: Any, summary: int | None) -> FabricInfo:
         cluster_uuid=str(uuidlib.UUID(bytes=uuid)) if any(uuid) else None,
         health_summary=summary,
     )
+
+
+# nvmlValue_t member per NVML_VALUE_TYPE_* (double, uint, ulong, ulonglong, slonglong, int, ushort)
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def _field_value(value: Any) -> int | None:
+    """One entry's value by its declared type; None where the entry failed, its type is
+    unknown or it is a double that is no number."""
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    kind = int(value.valueType)
+    if not 0 <= kind < len(_VALUE_MEMBERS):
+        return None
+    try:
+        return int(getattr(value.value, _VALUE_MEMBERS[kind]))
+    except (ValueError, OverflowError):  # a double that is NaN or infinite
+        return None

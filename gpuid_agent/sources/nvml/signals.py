@@ -13,9 +13,9 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import NamedTuple
 
-from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieAer, PcieLink
 
-__all__ = ["NVLINK_COUNTERS", "NvLink", "PcieLink"]
+__all__ = ["NVLINK_COUNTERS", "NvLink", "PcieAer", "PcieLink"]
 
 
 class RemappedRows(NamedTuple):
@@ -87,6 +87,7 @@ class GpuHealthSignals:
     recovery_action: int | None = None  # NVML field 230: nvmlDeviceGpuRecoveryAction_t
     pcie: PcieLink | None = None
     nvlinks: tuple[NvLink, ...] | None = None  # None: the GPU has no NVLink
+    pcie_aer: PcieAer | None = None
     pcie_replays: int | None = None  # the telemetry read's counter, for the PCIe check
     utilization: float | None = None  # GPU busy percent from the telemetry read
     lost: str | None = None  # a call said GPU_IS_LOST / RESET_REQUIRED

@@ -1,10 +1,11 @@
 """The health state kept across restarts (STATE_DIR/health.json), the node's boot id, and the
 operators' clear requests (STATE_DIR/health-clear/).
 
-health.json holds, per GPU UUID, the latched XIDs with the boot they were latched in, the
-boots each XID was seen in (for "again after two reboots") and the NVLinks seen up. It is
-hostile input like every state file: anything that does not read back as that shape is
-logged once and left out (the GPU starts afresh), never a reason to fail.
+health.json holds, per GPU UUID, the latched XIDs with the boot they were latched in and the
+bucket they were judged by (a kernel line's NVLink5 subcode decides it), the boots each XID
+was seen in (for "again after two reboots") and the NVLinks seen up. It is hostile input like
+every state file: anything that does not read back as that shape is logged once and left out
+(the GPU starts afresh), never a reason to fail.
 
 Clear requests (`gpuid-agent health clear`) are taken from STATE_DIR/health-clear/ each
 collection: see `runtime.clear_requests`.
@@ -102,6 +103,10 @@ def _ints(value: object) -> bool:
     )
 
 
+def _name(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 40 and value.isidentifier()
+
+
 def _gpu_ok(entry: object) -> bool:
     if not isinstance(entry, dict):
         return False
@@ -112,6 +117,7 @@ def _gpu_ok(entry: object) -> bool:
         isinstance(item, dict)
         and _ints([item.get("code")])
         and isinstance(item.get("boot_id"), (str, type(None)))
+        and (item.get("bucket") is None or _name(item["bucket"]))
         for item in latched
     ):
         return False

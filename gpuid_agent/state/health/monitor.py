@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
@@ -25,6 +26,9 @@ from gpuid_agent.state.health.health_file import HealthFile, read_boot_id
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 from gpuid_agent.state.health.xid import XidDetail
+
+if TYPE_CHECKING:
+    from gpuid_agent.state.health.kernel import KernelLogWatch
 
 _log = log.get("health")
 EXPECTED_CONFIGURED = "EXPECTED_GPU_COUNT"
@@ -46,6 +50,7 @@ class HealthConfig:
     collect_interval: float
     state_dir: str = ""  # health.json and clear requests; "" keeps nothing
     host_proc: str = "/proc"  # where the boot id is read
+    kernel_log: str = ""  # KERNEL_LOG; empty: the kernel log is not read
 
 
 class HealthMonitor:
@@ -64,9 +69,15 @@ class HealthMonitor:
             xid_repeat_count=config.xid_repeat_count,
             xid_repeat_window=config.xid_repeat_window,
             boot_id=read_boot_id(config.host_proc) if config.state_dir else None,
+            kernel_log=bool(config.kernel_log),
         )
         self.tracker.restore(self.file.load())
         self._said_no_recovery = False
+        self.kernel: KernelLogWatch | None = None
+        if config.kernel_log:  # imported only when asked for: off costs nothing
+            from gpuid_agent.state.health.kernel import KernelLogWatch
+
+            self.kernel = KernelLogWatch(config.kernel_log, self.tracker, board)
         self.reader = HealthReader(nvml.reader.api)
         # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
         # long stopping the XID thread takes.

@@ -7,6 +7,11 @@ not a transition, however often it is evaluated or however its wording changes.
 
 What is reported is the last *judgement* (see `check_states`).
 
+With the kernel log on (KERNEL_LOG) an XID arrives twice, as NVML event and kernel line:
+`XidHistory` counts it once and lets the line's judgement replace the event's. The kernel log
+also says when a GPU fell off the bus (`mark_off_bus`) and reports NVSwitch SXIDs (the node's
+`nvswitch` check, `record_sxid`).
+
 A GPU reset (see `resets`), a node reboot (the boot id changed since the state was saved)
 or an operator's request (`clear`) clears the GPU's latched XIDs. `as_state` / `restore` carry
 what must outlive the agent: latched XIDs with their boot id, the boots each XID was seen in,
@@ -20,59 +25,24 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime import log
-from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieLink, XidEvent
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.state.health import checks as rules
 from gpuid_agent.state.health.check_states import CheckStates
 from gpuid_agent.state.health.fabric import fabric_verdict
-from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
+from gpuid_agent.state.health.gpu_state import GpuState
+from gpuid_agent.state.health.nvswitch import SwitchErrors
 from gpuid_agent.state.health.recovery import NOT_REPORTED, recovery_verdict
-from gpuid_agent.state.health.resets import ResetWatch
-from gpuid_agent.state.health.verdicts import (
-    GPU_CHECKS,
-    GpuHealth,
-    NodeHealth,
-    Transition,
-    Verdict,
-    worst,
-)
+from gpuid_agent.state.health.verdicts import GPU_CHECKS, NodeHealth, Transition, Verdict, worst
 from gpuid_agent.state.health.xid import XidDetail
-from gpuid_agent.state.health.xid_history import XidHistory
+from gpuid_agent.state.health.xid_history import PAIR_WINDOW, Source
 
 _log = log.get("health")
-
-
-@dataclass(slots=True)
-class _Gpu:
-    uuid: str
-    index: int
-    serial: str | None
-    window: float
-    replay_threshold: int = 0
-    states: CheckStates = field(default_factory=CheckStates)
-    ecc_corrected: rules.CounterWindow = field(init=False)
-    ecc_uncorrected: rules.CounterWindow = field(init=False)
-    clocks: rules.ReasonWindow = field(init=False)
-    xids: XidHistory = field(default_factory=XidHistory)
-    resets: ResetWatch = field(default_factory=ResetWatch)
-    recovery_field: bool = True  # the driver reports field 230 (until a read says otherwise)
-    pcie: PcieWatch = field(init=False)
-    nvlink: NvLinkWatch = field(init=False)
-    pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
-    nvlinks: tuple[NvLink, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.ecc_corrected = rules.CounterWindow(self.window)
-        self.ecc_uncorrected = rules.CounterWindow(self.window)
-        self.clocks = rules.ReasonWindow(self.window)
-        self.pcie = PcieWatch(self.window, self.replay_threshold)
-        self.nvlink = NvLinkWatch(self.window)
 
 
 class HealthTracker:
@@ -87,6 +57,7 @@ class HealthTracker:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         boot_id: str | None = None,
+        kernel_log: bool = False,
     ) -> None:
         self.window = window
         self.xid_hold = xid_hold
@@ -95,7 +66,7 @@ class HealthTracker:
         self.xid_repeat_window = xid_repeat_window
         self._clock = clock
         self._wall = wall
-        self._gpus: dict[str, _Gpu] = {}
+        self._gpus: dict[str, GpuState] = {}
         self._node = CheckStates()
         self._xid_unsupported: Mapping[int, str] = MappingProxyType({})
         self._xid_unavailable: str | None = None
@@ -103,6 +74,8 @@ class HealthTracker:
         self.boot_id = boot_id
         self._saved: dict[str, dict[str, Any]] = {}  # restored state of GPUs not seen yet
         self.unsaved = False  # what `as_state` gives changed since the last save
+        self.kernel_log = kernel_log  # XIDs come from the kernel log too: pair them up
+        self.switches = SwitchErrors(xid_hold)  # NVSwitch SXIDs, from the kernel log
 
     # ---- inputs --------------------------------------------------------------------------
 
@@ -158,27 +131,53 @@ class HealthTracker:
             del self._gpus[uuid]  # gone from the node: the count check speaks for it
             self._snapshot = None
         usable = len(gpus) - unusable
-        count = rules.gpu_count_verdict(usable, expected_gpus, expected_source)
-        transitions.extend(self._apply_node({"gpu_count": count}, wall))
+        node = {"gpu_count": rules.gpu_count_verdict(usable, expected_gpus, expected_source)}
+        if self.kernel_log:
+            node["nvswitch"] = self.switches.verdict(now)
+        transitions.extend(self._apply_node(node, wall))
         return transitions
 
-    def record_xid(self, event: XidEvent, detail: XidDetail | None = None) -> list[Transition]:
+    def record_xid(
+        self, event: XidEvent, detail: XidDetail | None = None, source: Source = "nvml"
+    ) -> list[Transition]:
         """Count an XID and re-judge its GPU's XID check at once (not at the next tick). An
-        XID of one MIG device names only that device's holders."""
+        XID of one MIG device names only that device's holders. `detail` and `source`
+        "kernel": what a kernel line says of it (see `XidHistory` for the pairing)."""
         state = self._gpus.get(event.uuid)
         if state is None:
             return []
-        self._snapshot = None
         now = self._clock()
-        if state.xids.record(
-            event.code, now, self.boot_id, detail=detail, recovery_field=state.recovery_field
-        ):
-            self.unsaved = True
+        changed_state = state.xids.record(
+            event.code,
+            now,
+            self.boot_id,
+            detail=detail,
+            recovery_field=state.recovery_field,
+            source=source,
+        )
+        if changed_state is None:
+            return []  # the kernel line already counted and judged it
+        self._snapshot = None
+        self.unsaved |= changed_state
         changed = self._apply(state, {"xid": self._xid_verdict(state, now)}, self._wall())
         if event.gpu_instance_id is None:
             return changed
         mig = (event.gpu_instance_id, event.compute_instance_id)
         return [dataclasses.replace(t, mig_instance=mig) for t in changed]
+
+    def mark_off_bus(self, uuid: str, reason: str) -> list[Transition]:
+        """The kernel says the GPU fell off the bus: lost until the agent restarts."""
+        state = self._gpus.get(uuid)
+        if state is None or state.off_bus is not None:
+            return []
+        state.off_bus = reason
+        return self._apply(state, {"lost": rules.lost_verdict(reason)}, self._wall())
+
+    def record_sxid(self, fatal: bool, reason: str) -> list[Transition]:
+        """An NVSwitch error from the kernel log, judged at once."""
+        now = self._clock()
+        self.switches.add(now, fatal, reason)
+        return self._apply_node({"nvswitch": self.switches.verdict(now)}, self._wall())
 
     def clear(self, selector: str) -> list[Transition]:
         """An operator's request: forget the latched and recent XIDs of the GPU whose UUID or
@@ -210,10 +209,13 @@ class HealthTracker:
         """Saved per-GPU state, applied as each GPU is first seen (validated by the reader)."""
         self._saved = {uuid: dict(saved) for uuid, saved in gpus.items()}
 
-    def _new_gpu(self, gpu: GpuIdentity) -> _Gpu:
-        state = _Gpu(gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold)
+    def _new_gpu(self, gpu: GpuIdentity) -> GpuState:
+        state = GpuState(
+            gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold, gpu.name
+        )
         state.xids.repeat_count = self.xid_repeat_count
         state.xids.repeat_window = self.xid_repeat_window
+        state.xids.pair_window = PAIR_WINDOW if self.kernel_log else 0.0
         saved = self._saved.pop(gpu.uuid, None)
         if saved is not None:
             state.xids.restore(saved, self.boot_id)
@@ -222,14 +224,15 @@ class HealthTracker:
 
     # ---- evaluation ----------------------------------------------------------------------
 
-    def _xid_verdict(self, state: _Gpu, now: float) -> Verdict:
+    def _xid_verdict(self, state: GpuState, now: float) -> Verdict:
         active = state.xids.active(now, self.xid_hold)
         unsupported = self._xid_unavailable or self._xid_unsupported.get(state.index)
         return rules.xid_verdict(active, unsupported)
 
     def _gpu_verdicts(
-        self, state: _Gpu, sig: GpuHealthSignals | None, lost: str | None, now: float
+        self, state: GpuState, sig: GpuHealthSignals | None, lost: str | None, now: float
     ) -> dict[str, Verdict]:
+        lost = lost or state.off_bus
         verdicts: dict[str, Verdict] = {
             "lost": rules.lost_verdict(lost),
             "xid": self._xid_verdict(state, now),
@@ -255,7 +258,7 @@ class HealthTracker:
         verdicts["nvlink"] = self._nvlink(state, sig, now)
         return verdicts
 
-    def _recovery(self, state: _Gpu, sig: GpuHealthSignals) -> Verdict:
+    def _recovery(self, state: GpuState, sig: GpuHealthSignals) -> Verdict:
         if sig.recovery_action is None:
             if "recovery_action" in sig.absent:
                 state.recovery_field = False
@@ -264,15 +267,15 @@ class HealthTracker:
         state.recovery_field = True
         return recovery_verdict(sig.recovery_action)
 
-    def _pcie(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
-        if state.pcie_link != sig.pcie:
-            state.pcie_link = sig.pcie
+    def _pcie(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
+        if (state.pcie_link, state.pcie_aer) != (sig.pcie, sig.pcie_aer):
+            state.pcie_link, state.pcie_aer = sig.pcie, sig.pcie_aer
             self._snapshot = None
         if sig.pcie is None:
             return self._missing(sig, "pcie_link")
-        return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now)
+        return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now, sig.pcie_aer)
 
-    def _nvlink(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _nvlink(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         links = sig.nvlinks or ()
         if state.nvlinks != links:
             state.nvlinks = links
@@ -300,7 +303,7 @@ class HealthTracker:
     ) -> Verdict:
         return self._missing(sig, name) if value is None else judge(value)
 
-    def _ecc(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _ecc(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         ecc = sig.ecc
         if ecc is None and not sig.retired_pages_pending:
             return self._missing(sig, "ecc")
@@ -319,7 +322,7 @@ class HealthTracker:
             window=self.window,
         )
 
-    def _clock_events(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _clock_events(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         mask = sig.clocks_event_reasons
         if mask is None:
             return self._missing(sig, "clocks_event_reasons")
@@ -332,7 +335,7 @@ class HealthTracker:
     # ---- transitions ---------------------------------------------------------------------
 
     def _apply(
-        self, state: _Gpu, verdicts: Mapping[str, Verdict], wall: datetime
+        self, state: GpuState, verdicts: Mapping[str, Verdict], wall: datetime
     ) -> list[Transition]:
         changed, dirty = state.states.apply(verdicts, wall)
         if dirty:
@@ -356,25 +359,7 @@ class HealthTracker:
     def snapshot(self) -> NodeHealth:
         """The current health of the node (rebuilt only after something changed)."""
         if self._snapshot is None:
-            gpus = []
-            for s in sorted(self._gpus.values(), key=lambda g: g.index):
-                current = s.states.current
-                ordered = {n: current[n] for n in GPU_CHECKS if n in current}
-                state, action = worst(ordered.values())
-                gpus.append(
-                    GpuHealth(
-                        index=s.index,
-                        uuid=s.uuid,
-                        serial=s.serial,
-                        state=state,
-                        action=action,
-                        checks=MappingProxyType(ordered),
-                        xid_counts=MappingProxyType(dict(s.xids.counts)),
-                        last_xid=s.xids.last,
-                        pcie=s.pcie_link,
-                        nvlinks=s.nvlinks,
-                    )
-                )
+            gpus = [s.health() for s in sorted(self._gpus.values(), key=lambda g: g.index)]
             self._snapshot = NodeHealth(tuple(gpus), MappingProxyType(dict(self._node.current)))
         return self._snapshot
 

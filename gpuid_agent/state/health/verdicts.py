@@ -8,7 +8,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
-from gpuid_agent.facts import HealthState, NvLink, PcieLink
+from gpuid_agent.facts import HealthState, NvLink, PcieAer, PcieLink
 from gpuid_agent.state.attribution.holders import Holder
 
 CheckState = Literal["healthy", "degraded", "unhealthy", "not_supported", "unknown"]
@@ -45,7 +45,7 @@ GPU_CHECKS = (
     "pcie",
     "nvlink",
 )
-NODE_CHECKS = ("gpu_count",)
+NODE_CHECKS = ("gpu_count", "nvswitch")  # nvswitch: only with the kernel log
 
 _SEVERITY: Mapping[str, int] = {"unhealthy": 2, "degraded": 1, "healthy": 0}
 _ACTION_RANK: Mapping[str, int] = {a: i for i, a in enumerate(ACTIONS)}
@@ -121,6 +121,7 @@ class GpuHealth:
     last_xid: int | None = None
     pcie: PcieLink | None = None  # the link as last read
     nvlinks: tuple[NvLink, ...] = ()
+    pcie_aer: PcieAer | None = None  # the AER counters as last read
 
     def as_dict(self) -> dict[str, Any]:
         links: dict[str, Any] = {}

@@ -48,8 +48,9 @@ class XidClass:
 
 @dataclass(frozen=True, slots=True)
 class XidDetail:
-    """What the kernel log adds to an XID code (filled by a kernel-log source): the subcode
-    of XIDs 144-150, its NVIDIA bucket, and the text of the line."""
+    """What a kernel log line adds to an XID code (see `kernel.xid_detail`): the subcode of
+    XIDs 144-150 and its bucket in NVIDIA's NVLink5 decode sheet, and the line's own words
+    (the unit and link, XID 154's new recovery action, the process)."""
 
     subcode: int | None = None
     bucket: str | None = None  # NVIDIA's immediate bucket for this subcode, when known
@@ -169,6 +170,7 @@ XID_TABLE: Mapping[int, XidClass] = MappingProxyType(
 )
 CRITICAL_XIDS = frozenset(code for code, c in XID_TABLE.items() if c.state == "unhealthy")
 RECOVERY_ACTION_XID = 154
+_NAME_MAX = 240  # a verdict's reason stays one readable line
 _XID_154 = CATALOG.buckets["XID_154"]
 # Each action's next step when an XID repeats (within the window, or across reboots).
 _NEXT_STEP: Mapping[str, Action] = {
@@ -205,27 +207,31 @@ def judge_xid(
     (144-150), the subcode's bucket decides; without it such a code is degraded with the
     advice to read the kernel log, never a latched reboot. XID 154 is judged from the
     driver's recovery action (field 230, the recovery check) where the driver has the field
-    (`recovery_field`); otherwise its catalogue bucket applies.
+    (`recovery_field`); otherwise its catalogue bucket applies. The line's own words end the
+    reason.
     """
     cls = classify_xid(code)
     if cls.code == RECOVERY_ACTION_XID and not recovery_field:
         state, action, latched = _XID_154
-        return replace(cls, state=state, action=action, latched=latched)
-    if not cls.needs_detail:
-        return cls
+        cls = replace(cls, state=state, action=action, latched=latched)
     judged = CATALOG.buckets.get(detail.bucket) if detail and detail.bucket else None
-    if judged is None:
-        return replace(cls, name=f"{cls.name}: check the kernel log for its subcode")
-    state, action, latched = judged
-    return replace(
-        cls,
-        name=f"{cls.name}, subcode {detail.subcode}" if detail else cls.name,
-        state=state,
-        action=action,
-        latched=latched,
-        bucket=detail.bucket if detail else cls.bucket,
-        needs_detail=False,
-    )
+    if cls.needs_detail and judged is not None and detail is not None:
+        state, action, latched = judged
+        sub = "" if detail.subcode is None else f", subcode {detail.subcode}"
+        cls = replace(
+            cls,
+            name=f"{cls.name}{sub}",
+            state=state,
+            action=action,
+            latched=latched,
+            bucket=detail.bucket,
+            needs_detail=False,
+        )
+    elif cls.needs_detail:
+        cls = replace(cls, name=f"{cls.name}: check the kernel log for its subcode")
+    if detail is None or not detail.text:
+        return cls
+    return replace(cls, name=f"{cls.name} ({detail.text})"[:_NAME_MAX])
 
 
 def escalate(cls: XidClass, repeats: int, window: str) -> XidClass:
