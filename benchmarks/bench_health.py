@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+import pynvml
 
 from benchmarks.common import Row, median, percentile
 from gpuid_agent.agent import Agent
@@ -19,6 +22,7 @@ from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.serving import gpu_metrics
 from gpuid_agent.serving.renderer import MetricsRenderer
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.sources.nvml.fields import AER_FIELDS, NVLINK_SPEED_FIELD, RECOVERY_ACTION_FIELD
 from gpuid_agent.sources.nvml.health import HealthReader
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.sources.nvml.signals import EccCounts, FabricInfo, GpuHealthSignals, RemappedRows
@@ -61,16 +65,16 @@ def _tracker_cost() -> float:
 
 async def _read_cost_fake_library(
     links: bool = False, fields: bool | None = None
-) -> tuple[float, str]:
+) -> tuple[float, str, float]:
     """HealthReader.read for 8 GPUs through the real pynvml and the C fake library; with
     `links`, each GPU also has a PCIe link and 18 NVLinks with error counters. `fields`: True,
-    the PCIe AER counters and link speeds read through nvmlDeviceGetFieldValues; False, a
-    library without that call (as before it was read); None, the call answers NOT_SUPPORTED
-    entries."""
+    the driver reports the recovery action (field 230), the PCIe AER counters and link speeds,
+    all read in one nvmlDeviceGetFieldValues call per GPU; False, a library without that call;
+    None, the call answers NOT_SUPPORTED entries. Also that one call alone, 8 GPUs (µs)."""
     try:
         from tests.fakenvml import build_fake_nvml, h100x8, load_fake_into_pynvml, with_links
     except ImportError:
-        return float("nan"), "tests package not importable"
+        return float("nan"), "tests package not importable", float("nan")
     with tempfile.TemporaryDirectory() as tmp:
         omit = ["nvmlDeviceGetFieldValues"] if fields is False else []
         lib = build_fake_nvml(Path(tmp), omit=omit)
@@ -79,8 +83,8 @@ async def _read_cost_fake_library(
         if links:
             node.gpus = [with_links(g) for g in node.gpus]
         if fields:
-            for gpu in node.gpus:  # AER counters, NVLink speed (MB/s)
-                gpu.fields = {"173": 3, "179": 0, "180": 0, "164": 26562}
+            for gpu in node.gpus:  # recovery action none, AER counters, NVLink speed (MB/s)
+                gpu.fields = {"230": 0, "173": 3, "179": 0, "180": 0, "164": 26562}
         node.write(config)
         os.environ["FAKE_NVML_CONFIG"] = str(config)
         load_fake_into_pynvml(lib)
@@ -96,10 +100,25 @@ async def _read_cost_fake_library(
                 started = time.perf_counter()
                 await source.run(lambda: reader.read(targets))
                 samples.append(time.perf_counter() - started)
+            handles = [api.handle_by_index(i) for i in sorted(targets)]
+            links_of = [len(g.nvlinks or ()) for g in reader.read(targets).values()]
+            asked = [
+                [(RECOVERY_ACTION_FIELD, 0), *((f, 0) for f in AER_FIELDS)]
+                + [(NVLINK_SPEED_FIELD, link) for link in range(n)]
+                for n in links_of
+            ]
+            call_samples = []
+            for _ in range(300):
+                started = time.perf_counter()
+                for handle, ids in zip(handles, asked, strict=True):
+                    with contextlib.suppress(pynvml.NVMLError):
+                        api.field_values(handle, ids)
+                call_samples.append(time.perf_counter() - started)
         finally:
             await source.close()
             os.environ.pop("FAKE_NVML_CONFIG", None)
-    return median(samples) * 1e3, "C fake libnvidia-ml; a real driver adds its own call cost"
+    note = "C fake libnvidia-ml; a real driver adds its own call cost"
+    return median(samples) * 1e3, note, median(call_samples) * 1e6
 
 
 def _render_cost() -> tuple[float, float, int, int]:
@@ -196,15 +215,21 @@ async def run() -> list[Row]:
     rows = [
         Row("health", "evaluate 8 GPUs (observe + snapshot)", _tracker_cost(), "µs", "median"),
     ]
-    read_ms, note = await _read_cost_fake_library()
+    read_ms, note, _ = await _read_cost_fake_library(fields=False)
+    what = "read health signals, 8 GPUs, no field values call"
+    rows.append(Row("health", what, read_ms, "ms", note))
+    read_ms, note, field_us = await _read_cost_fake_library(fields=True)
     rows.append(Row("health", "read health signals, 8 GPUs", read_ms, "ms", note))
-    read_ms, note = await _read_cost_fake_library(links=True, fields=False)
+    rows.append(Row("health", "field values call alone, 8 GPUs", field_us, "µs", "median"))
+    read_ms, note, _ = await _read_cost_fake_library(links=True, fields=False)
     rows.append(
         Row("health", "read health signals, 8 GPUs, PCIe + 18 NVLinks each", read_ms, "ms", note)
     )
-    read_ms, note = await _read_cost_fake_library(links=True, fields=True)
-    what = "read health signals, 8 GPUs, PCIe + 18 NVLinks + AER/speed field values"
+    read_ms, note, field_us = await _read_cost_fake_library(links=True, fields=True)
+    what = "read health signals, 8 GPUs, PCIe + 18 NVLinks each, with field values"
     rows.append(Row("health", what, read_ms, "ms", note))
+    what = "field values call alone (230, AER, 18 link speeds), 8 GPUs"
+    rows.append(Row("health", what, field_us, "µs", "median"))
     plain, full, plain_size, full_size = _render_cost()
     rows += [
         Row("health", "render /gpu/metrics, 8 GPUs, no health", plain, "ms", f"{plain_size} B"),

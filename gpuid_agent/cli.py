@@ -1,4 +1,4 @@
-"""Command line: run, inventory, check-config, --version.
+"""Command line: run, inventory, check-config, health clear, --version.
 
 Every setting is also a flag (`BATCH_SIZE` → `--batch-size`); flags win over the environment.
 `run` is the default: `gpuid-agent --simulate gb200x4` runs the agent. A start that cannot
@@ -28,7 +28,7 @@ from gpuid_agent.runtime.errors import ConfigError, NvmlUnavailableError
 
 EXIT_CONFIG = 2
 EXIT_NVML = 3
-COMMANDS = ("run", "inventory", "check-config")
+COMMANDS = ("run", "inventory", "check-config", "health")
 EXIT_CODES = """\
 With no command, runs the agent: `gpuid-agent --simulate gb200x4` is `gpuid-agent run ...`.
 
@@ -89,7 +89,35 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     _add_setting_flags(check)
+    health = commands.add_parser(
+        "health",
+        help="act on the running agent's GPU health (run inside its pod: kubectl exec)",
+        epilog=EXIT_CODES,
+        formatter_class=raw,
+    )
+    actions = health.add_subparsers(dest="health_command", required=True)
+    clear = actions.add_parser(
+        "clear",
+        help="clear one GPU's latched XIDs after a repair (taken at the next collection)",
+    )
+    clear.add_argument("gpu", help="the GPU's UUID or index")
+    _add_setting_flags(clear)
     return parser
+
+
+def _health_clear(settings: Settings, gpu: str) -> int:
+    from gpuid_agent.runtime.clear_requests import write_clear_request
+
+    if not settings.state_dir:
+        print("gpuid-agent: STATE_DIR is not set: the agent keeps no health state", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        path = write_clear_request(settings.state_dir, gpu)
+    except (OSError, ValueError) as exc:
+        print(f"gpuid-agent: cannot request the clear: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"clear of GPU {gpu} requested ({path.name}); the agent takes it at its next collection")
+    return 0
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -199,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         body = orjson.dumps(settings.redacted(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
         sys.stdout.write(body.decode() + "\n")
         return 0
+    if args.command == "health":
+        return _health_clear(settings, args.gpu)
     try:
         if args.command == "inventory":
             return _inventory(settings, args.json)

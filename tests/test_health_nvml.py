@@ -169,11 +169,11 @@ async def test_remapped_rows_pending_then_failed_then_cleared(fake_nvml: FakeNvm
         pending = await eventually(
             lambda: (
                 run.check(1, "remapped_rows")
-                if run.check(1, "remapped_rows").state == "unhealthy"
+                if run.check(1, "remapped_rows").state == "degraded"
                 else None
             )
         )
-        assert pending.action == "reboot" and "pending" in pending.reason
+        assert pending.action == "reset" and "when convenient" in pending.reason
         config.gpus[1].remap_failure = 1
         fake_nvml.apply(config)
         await eventually(lambda: run.check(1, "remapped_rows").action == "hardware_inspection")
@@ -182,7 +182,7 @@ async def test_remapped_rows_pending_then_failed_then_cleared(fake_nvml: FakeNvm
         await eventually(lambda: run.check(1, "remapped_rows").state == "healthy")
         rows = await run.settled_health(3, check="remapped_rows")
         assert [(r["state"], r["action"], r["index"]) for r in rows] == [
-            ("unhealthy", "reboot", 1),
+            ("degraded", "reset", 1),
             ("unhealthy", "hardware_inspection", 1),
             ("healthy", "none", 1),
         ]

@@ -51,13 +51,13 @@ def test_any_xid_code_gets_a_valid_class(code: object) -> None:
     ("code", "state", "action"),
     [
         (48, "unhealthy", "reboot"),
-        (63, "unhealthy", "reboot"),
-        (64, "unhealthy", "hardware_inspection"),
+        (63, "healthy", "none"),
+        (64, "unhealthy", "reset"),
         (74, "unhealthy", "reboot"),
         (79, "unhealthy", "reboot"),
         (92, "degraded", "hardware_inspection"),
         (94, "degraded", "check_workload"),
-        (95, "unhealthy", "reboot"),
+        (95, "unhealthy", "reset"),
         (13, "degraded", "check_workload"),
         (45, "healthy", "none"),
     ],
@@ -68,7 +68,7 @@ def test_catalogue_entries(code: int, state: str, action: str) -> None:
 
 
 def test_every_critical_xid_latches() -> None:
-    assert {48, 63, 64, 74, 79, 95} <= CRITICAL_XIDS
+    assert {48, 64, 74, 79, 95, 173} <= CRITICAL_XIDS and 63 not in CRITICAL_XIDS
     assert all(XID_TABLE[c].latched for c in CRITICAL_XIDS)
 
 
@@ -207,7 +207,7 @@ def test_ecc_and_remap_verdicts() -> None:
     )
     assert ecc(None).state == "not_supported"
     pending = checks.remapped_rows_verdict(RemappedRows(0, 1, True, False))
-    assert (pending.state, pending.action) == ("unhealthy", "reboot")
+    assert (pending.state, pending.action) == ("degraded", "reset")  # when convenient
     failed = checks.remapped_rows_verdict(RemappedRows(0, 9, True, True))
     assert (failed.state, failed.action) == ("unhealthy", "hardware_inspection")
     assert checks.remapped_rows_verdict(RemappedRows(3, 0, False, False)).state == "healthy"
@@ -255,7 +255,7 @@ def test_healthy_start_is_quiet_and_a_fault_is_one_transition_however_long() -> 
     tracker = _tracker(clock)
     gpus = _gpus()
     assert tracker.observe(gpus, {0: _signals(0), 1: _signals(1)}, {}) == []
-    bad = {0: _signals(0), 1: _signals(1, remapped_rows=RemappedRows(0, 1, True, False))}
+    bad = {0: _signals(0), 1: _signals(1, remapped_rows=RemappedRows(0, 1, False, True))}
     seen = []
     for _ in range(20):
         clock.t += 1
@@ -290,7 +290,7 @@ def test_an_action_change_is_a_transition_a_reworded_reason_is_not() -> None:
     first = tracker.observe(gpus, {0: _signals(0, remapped_rows=pending)}, {})
     second = tracker.observe(gpus, {0: _signals(0, remapped_rows=failed)}, {})
     assert [t.current.action for t in first + second if t.check == "remapped_rows"] == [
-        "reboot",
+        "reset",
         "hardware_inspection",
     ]
 
@@ -359,8 +359,8 @@ def test_unknown_is_shown_but_only_judgements_are_reported() -> None:
         if sig is unreadable:
             assert tracker.snapshot().gpus[0].checks["remapped_rows"].state == "unknown"
     assert [(t.previous.state if t.previous else None, t.current.state) for t in seen] == [
-        ("healthy", "unhealthy"),
-        ("unhealthy", "healthy"),
+        ("healthy", "degraded"),
+        ("degraded", "healthy"),
     ]
 
 

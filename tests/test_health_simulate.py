@@ -84,7 +84,7 @@ async def test_simulated_faults_show_as_health() -> None:
                 (st := states())
                 and st.get(2, {}).get("xid") == "unhealthy"
                 and st[0]["ecc"] == "degraded"
-                and st[1]["remapped_rows"] == "unhealthy"
+                and st[1]["remapped_rows"] == "degraded"
                 and st[3]["lost"] == "unhealthy"
             )
         )
@@ -190,7 +190,7 @@ async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> Non
         )
         api.inject_xid(4, 64)
         await eventually(lambda: node_health(agent).gpus[4].state == "unhealthy")
-        assert node_health(agent).gpus[4].action == "hardware_inspection"
+        assert node_health(agent).gpus[4].action == "reset"  # NVIDIA: reset first
 
 
 async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:

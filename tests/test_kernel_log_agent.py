@@ -17,11 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuid_agent.facts import GpuIdentity
 from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.runtime.errors import ConfigError
-from gpuid_agent.sources.kmsg.lines import KernelEvent, KernelXid
+from gpuid_agent.sources.kmsg.lines import KernelEvent, KernelLogParser, KernelXid
 from gpuid_agent.sources.kmsg.reader import KernelLogReader
 from gpuid_agent.sources.nvml.signals import XidEvent
+from gpuid_agent.state.health.kernel import xid_detail
 from gpuid_agent.state.health.tracker import HealthTracker
-from gpuid_agent.state.health.xid import classify_xid
+from gpuid_agent.state.health.xid import XidDetail, classify_xid
 from tests import fakenvml
 from tests.conftest import node_health
 from tests.fakenvml.fixtures import FakeNvml
@@ -177,9 +178,7 @@ def test_twins_count_once_in_either_order_and_the_line_decides() -> None:
     gpus = fakenvml.gb200x4().gpus
     ids = [GpuIdentity(index=i, uuid=g.uuid or "", name=g.name) for i, g in enumerate(gpus)]
     tracker.observe(ids, {}, {})
-    ignore = classify_xid(148).__class__(
-        148, "ignored", "healthy", "none", False, "nvlink", "IGNORE"
-    )
+    ignore = XidDetail(subcode=0, bucket="IGNORE", text="NVLPW_CTRL non-fatal: IGNORE")
 
     def event(i: int) -> XidEvent:
         return XidEvent(i, ids[i].uuid, 148, datetime.now(UTC))
@@ -210,6 +209,40 @@ def test_twins_count_once_in_either_order_and_the_line_decides() -> None:
     repeats.record_xid(event(3), ignore, source="kernel")
     gpu3 = {g.index: g for g in repeats.snapshot().gpus}[3]
     assert gpu3.xid_counts == {148: 2} and gpu3.checks["xid"].state == "healthy"
+
+
+def test_a_line_after_its_event_replaces_its_judgement_latched_or_not() -> None:
+    tracker = HealthTracker(kernel_log=True, boot_id="b")
+    gpus = fakenvml.gb200x4().gpus
+    ids = [GpuIdentity(index=i, uuid=g.uuid or "", name=g.name) for i, g in enumerate(gpus)]
+    tracker.observe(ids, {}, {})
+    parser = KernelLogParser()
+
+    def line(text: str) -> XidDetail:
+        parsed = parser.parse(text)
+        assert isinstance(parsed, KernelXid)
+        return xid_detail(parsed)
+
+    def xid(i: int, code: int) -> XidEvent:
+        return XidEvent(i, ids[i].uuid, code, datetime.now(UTC))
+
+    # 149 without detail is degraded; its line's decode row (a fatal link event) latches a reset
+    tracker.record_xid(xid(0, 149))
+    fatal = f"NVRM: Xid (PCI:0008:01:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00 {REGS}"
+    tracker.record_xid(xid(0, 149), line(fatal.replace("0x0000000f", "0x025001c6")), "kernel")
+    # 79 latched by the event, then its line names the process: one XID, the line's reason
+    tracker.record_xid(xid(1, 79))
+    named = "NVRM: Xid (PCI:0008:01:00): 79, pid=7, name=trainer, GPU has fallen off the bus."
+    tracker.record_xid(xid(1, 79), line(named), "kernel")
+    snap = {g.index: g for g in tracker.snapshot().gpus}
+    assert snap[0].xid_counts == {149: 1}
+    assert (snap[0].checks["xid"].state, snap[0].checks["xid"].action) == ("unhealthy", "reset")
+    assert "NETIR_LINK_EVT fatal, link 0" in (snap[0].checks["xid"].reason or "")
+    assert snap[1].xid_counts == {79: 1} and snap[1].checks["xid"].action == "reboot"
+    assert "pid 7 trainer" in (snap[1].checks["xid"].reason or "")
+    saved = tracker.as_state()["gpus"]
+    assert saved[ids[0].uuid]["latched"] == [{"code": 149, "boot_id": "b", "bucket": "RESET_GPU"}]
+    assert [x["code"] for x in saved[ids[1].uuid]["latched"]] == [79]
 
 
 def test_off_by_default_nothing_of_the_kernel_log_is_imported() -> None:

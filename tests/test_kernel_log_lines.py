@@ -16,8 +16,9 @@ from gpuid_agent.sources.kmsg.lines import (
     pci_address,
     record_message,
 )
-from gpuid_agent.state.health.nvlink5 import DECODE, judge_nvlink5, parse_decode
-from gpuid_agent.state.health.xid import classify_xid
+from gpuid_agent.state.health.kernel import xid_detail
+from gpuid_agent.state.health.nvlink5 import DECODE, parse_decode
+from gpuid_agent.state.health.xid import judge_xid
 
 
 def parse(line: str) -> object:
@@ -116,7 +117,7 @@ def test_nvlink5_rows_decide_and_unlisted_rows_keep_the_catalogue() -> None:
     def judged(line: str) -> object:
         xid = parser.parse(line)
         assert isinstance(xid, KernelXid)
-        return judge_nvlink5(xid.code, xid.nvlink)
+        return judge_xid(xid.code, xid_detail(xid))
 
     regs = "(0x{:08x} 0x{:08x} 0x00000000 0x00000000 0x00000000 0x00000000)"
     ignore = judged(
@@ -143,8 +144,13 @@ def test_nvlink5_rows_decide_and_unlisted_rows_keep_the_catalogue() -> None:
     unlisted = judged(
         f"NVRM: Xid (PCI:0000:00:00): 145, RLW_RXPIPE Nonfatal XC0 i0 Link 1 {regs.format(0xC2, 1)}"
     )
-    assert unlisted == classify_xid(145)
-    assert judge_nvlink5(147, None) == classify_xid(147)
+    plain = judge_xid(145)  # as without the line: degraded, read the kernel log
+    assert (unlisted.state, unlisted.action, unlisted.bucket) == (
+        plain.state,
+        plain.action,
+        plain.bucket,
+    )
+    assert unlisted.name.startswith(plain.name) and "no decode row" in unlisted.name
     assert set(DECODE) == set(range(144, 151))
 
 
@@ -200,5 +206,5 @@ def test_any_record_parses_or_is_ignored_never_raises_and_stays_bounded(parts: l
                 len(event.process) <= 64 and event.process.isprintable()
             )
             if event.nvlink is not None:
-                judged = judge_nvlink5(event.code, event.nvlink)  # never raises either
+                judged = judge_xid(event.code, xid_detail(event))  # never raises either
                 assert judged.code == event.code

@@ -22,8 +22,10 @@ from gpuid_agent.state.health.xid import (
     CATALOG,
     CATALOG_FILE,
     XID_TABLE,
+    XidDetail,
     classify_xid,
     escalate,
+    judge_xid,
     parse_catalog,
 )
 from tests import fakenvml
@@ -37,9 +39,10 @@ RAW = resources.files("gpuid_agent.state.health").joinpath(CATALOG_FILE).read_te
 
 
 def test_every_code_nvidia_lists_is_there_with_its_source_and_date() -> None:
-    assert sorted(CATALOG.entries) == list(range(1, 173))
+    assert sorted(CATALOG.entries) == list(range(1, 174))
     assert "docs.nvidia.com/deploy/xid-errors" in CATALOG.source
     assert datetime.strptime(CATALOG.retrieved, "%Y-%m-%d")
+    assert CATALOG.source_version and CATALOG.retrieved in CATALOG.source_version
     for entry in CATALOG.entries.values():
         assert entry.mnemonic and entry.description and entry.category
         assert set(entry.applies_to) <= {"A100", "H100", "B100", "GB200"}
@@ -59,10 +62,12 @@ def test_every_code_nvidia_lists_is_there_with_its_source_and_date() -> None:
         (74, "WORKFLOW_NVLINK_ERR", "unhealthy", "reboot", True),
         (79, "RESTART_BM", "unhealthy", "reboot", True),
         (94, "RESTART_APP", "degraded", "check_workload", False),
-        (95, "RESET_GPU", "unhealthy", "reboot", True),
-        (119, "RESET_GPU", "unhealthy", "reboot", True),
-        (145, "WORKFLOW_NVLINK5_ERR", "unhealthy", "reboot", True),
-        (154, "XID_154", "unhealthy", "reboot", True),
+        (95, "RESET_GPU", "unhealthy", "reset", True),
+        (119, "RESET_GPU", "unhealthy", "reset", True),
+        (64, "RESET_GPU", "unhealthy", "reset", True),  # reset first, as NVIDIA says
+        (63, "IGNORE", "healthy", "none", False),  # the remapped_rows check owns it
+        (145, "WORKFLOW_NVLINK5_ERR", "degraded", "none", False),  # without its subcode
+        (154, "XID_154", "healthy", "none", False),  # the recovery check carries it
         (1, "CONTACT_SUPPORT", "degraded", "hardware_inspection", False),  # unused
     ],
 )
@@ -76,9 +81,44 @@ def test_the_bucket_decides_the_judgement(
 
 def test_where_the_agent_differs_from_the_bucket_it_says_why() -> None:
     overridden = {c: e for c, e in CATALOG.entries.items() if e.override}
-    assert {63, 64, 92} <= set(overridden)
-    assert classify_xid(63).action == "reboot"  # IGNORE in the catalogue: a reset applies it
+    assert {92, 154, 173} <= set(overridden) and not {63, 64} & set(overridden)
     assert all(len(e.override or "") > 20 for e in overridden.values())
+    assert "remapped_rows" in (CATALOG.entries[63].note or "")
+    assert "remapped_rows" in (CATALOG.entries[64].note or "")
+
+
+@pytest.mark.parametrize("code", range(144, 151))
+def test_nvlink5_xids_without_their_subcode_say_read_the_kernel_log(code: int) -> None:
+    plain = judge_xid(code)
+    assert (plain.state, plain.action, plain.latched) == ("degraded", "none", False)
+    assert plain.name.endswith("check the kernel log for its subcode")
+    fatal = judge_xid(code, XidDetail(subcode=2, bucket="RESET_GPU"))
+    assert (fatal.state, fatal.action, fatal.latched) == ("unhealthy", "reset", True)
+    ignore = judge_xid(code, XidDetail(subcode=4, bucket="IGNORE"))
+    assert ignore.state == "healthy"
+    unknown = judge_xid(code, XidDetail(subcode=9, bucket="NOT_A_BUCKET"))
+    assert unknown.state == "degraded" and "kernel log" in unknown.name
+
+
+def test_xid_154_falls_back_to_its_bucket_where_the_driver_lacks_the_recovery_field() -> None:
+    assert judge_xid(154).state == "healthy"
+    fallback = judge_xid(154, recovery_field=False)
+    assert (fallback.state, fallback.action, fallback.latched) == ("unhealthy", "reboot", True)
+    assert judge_xid(79, recovery_field=False) is classify_xid(79)
+
+
+@given(st.one_of(st.none(), st.integers(), st.text(max_size=70), st.binary(max_size=8)))
+def test_the_sheet_digest_must_be_a_sha256_or_absent(value: object) -> None:
+    doc = json.loads(RAW)
+    doc["sheet_sha256"] = value
+    good = value is None or (
+        isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+    )
+    if good:
+        assert parse_catalog(json.dumps(doc, default=str)).sheet_sha256 == value
+    else:
+        with pytest.raises(ValueError, match="sha256"):
+            parse_catalog(json.dumps(doc, default=str))
 
 
 @given(
@@ -95,7 +135,7 @@ def test_where_the_agent_differs_from_the_bucket_it_says_why() -> None:
 def test_any_code_gets_a_class_and_unknown_ones_are_reported_as_unknown(code: object) -> None:
     cls = classify_xid(code)  # type: ignore[arg-type]
     assert cls.state in ("healthy", "degraded", "unhealthy") and cls.action in ACTIONS
-    listed = isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 172
+    listed = isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 173
     assert cls.known is listed
     if listed:
         assert cls is XID_TABLE[code]  # type: ignore[index]
@@ -125,9 +165,10 @@ def test_a_repeated_code_is_refused() -> None:
 
 
 def test_escalation_steps_the_action_once_and_leaves_counted_only_alone() -> None:
-    assert escalate(classify_xid(13), 3, "1h").action == "reboot"
+    assert escalate(classify_xid(13), 3, "1h").action == "reset"
+    assert escalate(classify_xid(46), 3, "1h").action == "reboot"
     assert escalate(classify_xid(79), 3, "1h").action == "hardware_inspection"
-    top = classify_xid(64)
+    top = classify_xid(54)
     assert escalate(top, 9, "1h") is top
     assert escalate(classify_xid(45), 50, "1h") is classify_xid(45)
 
@@ -157,7 +198,7 @@ def test_the_same_xid_n_times_in_the_window_raises_the_action_one_step() -> None
     assert tracker.record_xid(_xid(13)) == []  # twice: no news
     now[0] = 20.0
     [third] = tracker.record_xid(_xid(13))
-    assert (third.current.state, third.current.action) == ("degraded", "reboot")
+    assert (third.current.state, third.current.action) == ("degraded", "reset")
     assert third.current.reason == (
         "XID 13: graphics engine exception (usually an out-of-bounds access in the application)"
         " (seen 3 times in 1m) (recent)"
@@ -187,7 +228,7 @@ def test_an_unknown_xid_is_shown_and_counted_not_dropped() -> None:
 def test_docs_health_md_carries_the_table_the_data_file_gives() -> None:
     committed = (DOCS / "health.md").read_text(encoding="utf-8")
     assert docs.health_page(committed) == committed, "run `python -m gpuid_agent.docs`"
-    assert "172 codes" in committed
+    assert "173 codes" in committed
     for code, entry in CATALOG.entries.items():
         if entry.category != "unused":
             assert f"| {code} | `{entry.mnemonic}` |" in committed
@@ -206,11 +247,11 @@ async def test_repeats_and_unknown_codes_through_the_driver(fake_nvml: FakeNvml)
         config.gpus[0].xids = [(13, 0), (13, 1), (13, 2)]
         config.gpus[1].xids = [(4242, 0)]
         fake_nvml.apply(config)
-        await eventually(lambda: run.check(0, "xid").action == "reboot")
+        await eventually(lambda: run.check(0, "xid").action == "reset")
         records = await run.settled_health(3, check="xid")
     by_gpu = {(r["index"], r["action"]): r["reason"] for r in records}
     assert by_gpu[(0, "check_workload")].startswith("XID 13: graphics engine exception")
-    assert "(seen 3 times in 1h)" in by_gpu[(0, "reboot")]
+    assert "(seen 3 times in 1h)" in by_gpu[(0, "reset")]
     assert by_gpu[(1, "check_workload")].startswith("XID 4242: unknown XID")
     assert node_health(run.agent).gpus[1].xid_counts == {4242: 1}
 

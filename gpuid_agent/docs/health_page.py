@@ -16,7 +16,8 @@ def _xid_row(e: XidEntry) -> str:
     judged = e.judged
     state = "counted only" if judged.state == "healthy" else judged.state
     buckets = " / ".join(cell(b) for b in (e.immediate or "—", e.investigatory) if b)
-    notes = "; ".join(cell(n) for n in (e.driver, e.override and f"agent: {e.override}") if n)
+    agent = e.override and f"agent: {e.override}"
+    notes = "; ".join(cell(n) for n in (e.driver, e.note, agent) if n)
     return (
         f"| {e.code} | `{e.mnemonic}` | {cell(e.description)} | {e.category} | "
         f"{', '.join(e.applies_to) or '—'} | {buckets} | {state} | "
@@ -33,7 +34,9 @@ def xid_table() -> str:
         XID_BEGIN,
         "",
         f"Source: {CATALOG.source}, retrieved {CATALOG.retrieved}: {len(entries)} codes "
-        f"({len(used)} in use, {len(unused)} unused on Ampere and newer).",
+        f"({len(used)} in use, {len(unused)} unused on Ampere and newer). "
+        f"Version: {CATALOG.source_version}; SHA-256 of NVIDIA's sheet: "
+        f"{CATALOG.sheet_sha256 or 'not recorded'}.",
         "",
         "| XID | mnemonic | meaning | category | applies to | NVIDIA immediate / "
         "investigatory | state | action | latched | notes |",

@@ -33,6 +33,7 @@ _log = log.get("node_conditions")
 CONDITION_TYPES: Mapping[str, str] = {
     "lost": "GpuLost",
     "xid": "GpuXidError",
+    "recovery": "GpuRecoveryActionRequired",
     "ecc": "GpuEccError",
     "remapped_rows": "GpuRowRemapping",
     "fabric": "GpuFabricUnhealthy",
@@ -43,6 +44,8 @@ CONDITION_TYPES: Mapping[str, str] = {
 _REASONS = {
     "none": "GpuUnhealthy",
     "check_workload": "GpuCheckWorkload",
+    "drain": "GpuDrainSuggested",
+    "reset": "GpuResetSuggested",
     "reboot": "GpuRebootSuggested",
     "hardware_inspection": "GpuHardwareInspectionSuggested",
 }

@@ -234,7 +234,9 @@ class Settings(OtelSettings):
         60.0, description="Serve the last good pod mapping this long while the kubelet is down."
     )
     state_dir: str = Field(
-        "", description="Directory for small state kept across restarts (open allocations)."
+        "",
+        description="Directory for small state kept across restarts (open allocations, "
+        "latched GPU health) and operators' `health clear` requests.",
     )
     accounting_interval: PositiveDuration = Field(
         3600.0,
@@ -259,7 +261,9 @@ class Settings(OtelSettings):
         "HOST_PROC); off: neither is touched.",
     )
     host_proc: str = Field(
-        "/proc", description="The host's /proc (mounted read-only) for PROCESS_ATTRIBUTION."
+        "/proc",
+        description="The host's /proc (mounted read-only) for PROCESS_ATTRIBUTION; the boot "
+        "id under it tells health state (STATE_DIR) a reboot.",
     )
     dra_resource_slices: bool = Field(
         True,

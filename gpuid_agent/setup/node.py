@@ -24,6 +24,8 @@ def collector_config(settings: Settings) -> CollectorConfig:
             xid_repeat_window=settings.xid_repeat_window,
             expected_gpu_count=settings.expected_gpu_count,
             collect_interval=settings.collect_interval,
+            state_dir=settings.state_dir,
+            host_proc=settings.host_proc,
             kernel_log=settings.kernel_log,
         ),
         accounting=AccountingConfig(settings.accounting_per_pod, settings.state_dir),

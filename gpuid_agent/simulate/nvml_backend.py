@@ -13,6 +13,7 @@ import pynvml
 from gpuid_agent.facts import PlatformInfo
 from gpuid_agent.runtime.fault_spec import Fault, parse_fault
 from gpuid_agent.simulate.profiles import PROFILES, SimGpu, SimMig
+from gpuid_agent.sources.nvml.fields import RECOVERY_ACTION_FIELD
 from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
@@ -328,7 +329,8 @@ class SimulatedNvml:
 
     def field_values(self, handle: Any, fields: Sequence[tuple[int, int]]) -> list[int | None]:
         self._gpu(handle)
-        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        # the recovery action only, and it asks for nothing: a simulated GPU recovers alone
+        return [0 if field == RECOVERY_ACTION_FIELD else None for field, _ in fields]
 
     # ---- XID events ----------------------------------------------------------------------
 

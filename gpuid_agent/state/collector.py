@@ -108,6 +108,7 @@ class Collector:
     # ---- snapshots -------------------------------------------------------------------------
 
     def _publish(self, cause: Cause, transitions: list[Transition] | None = None) -> None:
+        self._held.extend(transitions or ())  # an XID before the first inventory waits for it
         if self.inventory is None:
             return
         attribution = self.attributor.refresh(self.inventory)
@@ -118,7 +119,6 @@ class Collector:
             self.attributor.pods,
             self.attributor.label_allowlist,
         )
-        self._held.extend(transitions or ())
         joined: tuple[Transition, ...] = ()
         if self._joinable():
             joined = with_holders(self._held, self.inventory, attribution)

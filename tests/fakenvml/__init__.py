@@ -267,12 +267,17 @@ class FakeGpu:
     nvlink_crc_flit: str | None = None
     nvlink_crc_data: str | None = None
     supported_events: int | None = None
-    # nvmlDeviceGetFieldValues: "<field id>" or "<field id>:<scope id>" -> value
+    # nvmlDeviceGetFieldValues: "<field id>" or "<field id>:<scope id>" -> value; per-entry
+    # errors are error keys "field.<id>" / "field.<id>.<scope>"
     fields: dict[str, int] = field(default_factory=dict)
+    # field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (0 none, 1 reset, 2 reboot, 3 drain P2P,
+    # 4 drain and reset): written as `field 230`, where `fields` does not set it
+    recovery_action: int | None = None
     lost: bool = False
     errors: dict[str, int] = field(default_factory=dict)
     mig: list[FakeMig] = field(default_factory=list)
-    xids: list[tuple[int, int]] = field(default_factory=list)  # (xid code, after_n_waits)
+    # (xid code, after_n_waits) or (code, after, gpu_instance_id, compute_instance_id)
+    xids: list[tuple[int, ...]] = field(default_factory=list)
     # field key (function name, key or group, as for errors) -> seconds its calls hang
     blocks: dict[str, float] = field(default_factory=dict)
     # running processes and their samples (nvmlDeviceGet*RunningProcesses_v3, *ProcessUtil*)
@@ -283,7 +288,8 @@ class FakeGpu:
 
 _PROCESS_FIELDS = frozenset({"processes", "mps_processes", "process_util"})
 _SPECIAL_GPU_FIELDS = (
-    frozenset({"lost", "errors", "mig", "xids", "blocks", "fields"}) | _PROCESS_FIELDS
+    frozenset({"lost", "errors", "mig", "xids", "blocks", "fields", "recovery_action"})
+    | _PROCESS_FIELDS
 )
 _SPECIAL_MIG_FIELDS = frozenset({"errors"})
 
@@ -338,9 +344,12 @@ class FakeNvmlConfig:
             lines.extend(_render_fields(gpu, prefix, _SPECIAL_GPU_FIELDS))
             for key, rc in gpu.errors.items():
                 lines.append(f"{prefix} error {key} {int(rc)}")
-            for code, after in gpu.xids:
-                lines.append(f"{prefix} xid {int(code)} {int(after)}")
-            lines.extend(f"{prefix} field {key} {int(v)}" for key, v in gpu.fields.items())
+            for xid in gpu.xids:
+                lines.append(f"{prefix} xid {' '.join(str(int(v)) for v in xid)}")
+            fields = gpu.fields
+            if gpu.recovery_action is not None:
+                fields = {"230": gpu.recovery_action, **fields}
+            lines.extend(f"{prefix} field {key} {int(v)}" for key, v in fields.items())
             for key, secs in gpu.blocks.items():
                 lines.append(f"{prefix} block {key} {float(secs)!r}")
             lines.extend(f"{prefix} process {p.statement()}" for p in gpu.processes)

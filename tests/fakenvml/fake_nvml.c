@@ -32,6 +32,7 @@
  *   gpu <i> error <field-key> <nvmlReturn>
  *   gpu <i> xid <code> <after_n_waits> [<gpu_instance_id> <compute_instance_id>]
  *   gpu <i> field <id>[:<scope>] <value> a value nvmlDeviceGetFieldValues reads
+ *                   (see the field values block at the end of this file)
  *   gpu <i> mig <j> <key> <value...> a property of MIG device j of GPU i
  *   gpu <i> mig <j> error <field-key> <nvmlReturn>
  *   block <symbol> <seconds>         every call of that exported function hangs
@@ -90,7 +91,8 @@
  * one of the keys it reads (e.g. power_mw), or its group name:
  *   handle (nvmlDeviceGetHandleBy*), index, pci_info, platform_info,
  *   utilization (also util_enc/util_dec), memory, power, energy, clock, ecc,
- *   remapped_rows, clocks_event_reasons, fabric_info, events, mig.
+ *   remapped_rows, clocks_event_reasons, fabric_info, events, mig,
+ *   field_values.
  * An error on a GPU does not apply to its MIG devices and vice versa.
  *
  * Events: nvmlDeviceRegisterEvents records the mask per GPU in the set; each
@@ -2192,19 +2194,24 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigne
 /* ======================================================================== */
 /* Field values (nvmlDeviceGetFieldValues)                                  */
 /*                                                                          */
-/* "gpu <i> field <id>[:<scope>] <value>" sets a field; a scoped statement  */
-/* wins over the unscoped one for its scope.  Each entry asked for that is  */
-/* set reads as an unsigned long long; one not set has its nvmlReturn at    */
+/* "gpu <i> field <id>[:<scope>] <value>" sets a field (FakeGpu.fields; its  */
+/* recovery_action is field 230); a scoped statement wins over the unscoped */
+/* one for its scope.  Field 230 (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0    */
+/* none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset) reads  */
+/* as an unsigned int, as drivers give it; any other field as an unsigned   */
+/* long long.  An entry not set has its nvmlReturn at                      */
 /* NVML_ERROR_NOT_SUPPORTED while the call itself succeeds, as drivers do.  */
-/* Error and block keys: the function name or the group "field_values".     */
+/* Error keys: the function name or the group "field_values" fail the whole */
+/* call; "field.<id>" or "field.<id>.<scope>" fail only that entry (its     */
+/* nvmlReturn).  Block keys: the function name or "field_values".           */
 
 typedef union {
     double dVal;
     unsigned int uiVal;
     unsigned long ulVal;
     unsigned long long ullVal;
-    signed long long sllVal;
-    signed int siVal;
+    long long sllVal;
+    int siVal;
     unsigned short usVal;
 } nvmlValue_t;
 
@@ -2213,10 +2220,14 @@ typedef struct {
     unsigned int scopeId;
     long long timestamp;
     long long latencyUsec;
-    int valueType; /* nvmlValueType_t: 3 = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG */
+    unsigned int valueType; /* NVML_VALUE_TYPE_*: 1 unsigned int, 3 unsigned long long */
     nvmlReturn_t nvmlReturn;
     nvmlValue_t value;
 } nvmlFieldValue_t;
+
+#define FIELD_RECOVERY_ACTION 230u
+#define VALUE_TYPE_UNSIGNED_INT 1u
+#define VALUE_TYPE_UNSIGNED_LONG_LONG 3u
 
 #ifndef OMIT_nvmlDeviceGetFieldValues
 EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
@@ -2228,20 +2239,26 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
     if (valuesCount < 0 || (valuesCount > 0 && !values)) RET(NVML_ERROR_INVALID_ARGUMENT);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
+    long long now_us = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000LL;
     for (int i = 0; i < valuesCount; i++) {
         nvmlFieldValue_t *f = &values[i];
         char scoped[KEY_LEN], plain[KEY_LEN];
         snprintf(scoped, sizeof scoped, "field.%u.%u", f->fieldId, f->scopeId);
         snprintf(plain, sizeof plain, "field.%u", f->fieldId);
         unsigned long long v;
-        f->timestamp = (long long)ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+        f->timestamp = now_us;
         f->latencyUsec = 0;
-        if (gpu_u64(g, scoped, &v) || gpu_u64(g, plain, &v)) {
-            f->valueType = 3;
-            f->value.ullVal = v;
-            f->nvmlReturn = NVML_SUCCESS;
-        } else {
+        memset(&f->value, 0, sizeof(f->value));
+        f->nvmlReturn = find_error(g->err, g->nerr, NULL, KEYS(scoped, plain));
+        if (f->nvmlReturn != NVML_SUCCESS) continue;
+        if (!gpu_u64(g, scoped, &v) && !gpu_u64(g, plain, &v)) {
             f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        } else if (f->fieldId == FIELD_RECOVERY_ACTION) {
+            f->valueType = VALUE_TYPE_UNSIGNED_INT;
+            f->value.uiVal = (unsigned int)v;
+        } else {
+            f->valueType = VALUE_TYPE_UNSIGNED_LONG_LONG;
+            f->value.ullVal = v;
         }
     }
     RET(NVML_SUCCESS);

@@ -19,7 +19,8 @@ from gpuid_agent.runtime.errors import GpuLostError
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.errors import lost_error
-from gpuid_agent.sources.nvml.links import read_link_fields, read_nvlinks, read_pcie
+from gpuid_agent.sources.nvml.fields import read_fields
+from gpuid_agent.sources.nvml.links import read_nvlinks, read_pcie
 from gpuid_agent.sources.nvml.signals import EccCounts, GpuHealthSignals
 
 _log = log.get("health.nvml")
@@ -53,7 +54,7 @@ class HealthReader:
             if any(v is not None for v in ecc):
                 absent.pop("ecc", None)  # one counter type missing is not "no ECC"
             nvlinks = read_nvlinks(api, self.calls, index, handle, absent=absent, failed=failed)
-            aer, nvlinks = read_link_fields(
+            fields = read_fields(
                 api, self.calls, index, handle, nvlinks, absent=absent, failed=failed
             )
             return GpuHealthSignals(
@@ -65,9 +66,10 @@ class HealthReader:
                 clocks_event_reasons=get("clocks_event_reasons", api.clocks_event_reasons, handle),
                 fabric=get("fabric", api.fabric_info, handle),
                 persistence_mode=get("persistence_mode", api.persistence_mode, handle),
+                recovery_action=fields.recovery_action,
                 pcie=read_pcie(api, self.calls, index, handle, absent=absent, failed=failed),
-                nvlinks=nvlinks,
-                pcie_aer=aer,
+                nvlinks=fields.nvlinks,
+                pcie_aer=fields.pcie_aer,
                 absent=MappingProxyType(absent),
                 failed=MappingProxyType(failed),
             )

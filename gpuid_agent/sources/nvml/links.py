@@ -3,21 +3,17 @@
 PCIe: the link counts as read when its current and maximum generation and width all read; the
 GPU's own maximum generation is extra (older drivers lack the call). NVLink: links are probed
 from 0 until NVML says there are no more (INVALID_ARGUMENT or NOT_SUPPORTED past link 0). A
-GPU whose link 0 is NOT_SUPPORTED has no NVLink: "not applicable", never an alarm.
-
-Field values: one nvmlDeviceGetFieldValues call per GPU reads the PCIe AER counters and each
-NVLink's speed together; an entry the driver does not report is None, a driver without the
-call reports none of them.
+GPU whose link 0 is NOT_SUPPORTED has no NVLink: "not applicable", never an alarm. The AER
+counters and link speeds are field values (see `fields`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pynvml
 
-from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieAer, PcieLink
+from gpuid_agent.facts import NVLINK_COUNTERS, NvLink, PcieLink
 from gpuid_agent.sources.nvml.api import Handle, NvmlApi
 from gpuid_agent.sources.nvml.calls import FieldCalls
 from gpuid_agent.sources.nvml.errors import ABSENT, NvmlFault, fault, lost_error
@@ -25,9 +21,6 @@ from gpuid_agent.sources.nvml.errors import ABSENT, NvmlFault, fault, lost_error
 # NVML_NVLINK_MAX_LINKS of current drivers; probing stops earlier at the GPU's last link
 MAX_NVLINKS = 18
 _END_OF_LINKS = frozenset({*ABSENT, NvmlFault.INVALID_ARGUMENT})
-# NVML_FI_DEV_PCIE_COUNT_{CORRECTABLE_ERRORS,NON_FATAL_ERROR,FATAL_ERROR}, in PcieAer's order
-AER_FIELDS = (173, 179, 180)
-NVLINK_SPEED_FIELD = 164  # NVML_FI_DEV_NVLINK_GET_SPEED, MB/s, scope: the link
 
 
 def read_pcie(
@@ -93,32 +86,3 @@ def read_nvlinks(
 
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def read_link_fields(
-    api: NvmlApi,
-    calls: FieldCalls,
-    index: int,
-    handle: Handle,
-    nvlinks: tuple[NvLink, ...] | None,
-    *,
-    absent: dict[str, str],
-    failed: dict[str, str],
-) -> tuple[PcieAer | None, tuple[NvLink, ...] | None]:
-    """The PCIe AER counters, and the NVLinks with their speeds, from one field-values call."""
-    links: Sequence[NvLink] = nvlinks or ()
-    fields = [(f, 0) for f in AER_FIELDS] + [(NVLINK_SPEED_FIELD, lk.link) for lk in links]
-    values = calls.get(
-        index, "pcie_aer", api.field_values, handle, fields, absent=absent, failed=failed
-    )
-    if values is None or len(values) != len(fields):
-        return None, nvlinks
-    aer = PcieAer(*(_count(v) for v in values[: len(AER_FIELDS)]))
-    speeds = values[len(AER_FIELDS) :]
-    if nvlinks is not None:
-        speeds_of = zip(nvlinks, speeds, strict=True)
-        nvlinks = tuple(lk._replace(speed_mbps=_count(v)) for lk, v in speeds_of)
-    if all(v is None for v in aer):
-        absent.setdefault("pcie_aer", "PCIe AER counters not reported")
-        return None, nvlinks
-    return aer, nvlinks

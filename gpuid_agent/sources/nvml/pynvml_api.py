@@ -294,6 +294,8 @@ class PynvmlApi:
         return int(pynvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, counter))
 
     def field_values(self, handle: Handle, fields: Sequence[tuple[int, int]]) -> list[int | None]:
+        # The call succeeds and each entry carries its own return code (a driver that does
+        # not know a field id answers that entry INVALID_ARGUMENT): such an entry is None.
         values = pynvml.nvmlDeviceGetFieldValues(handle, list(fields))
         return [_field_value(v) for v in values]
 
@@ -369,6 +371,8 @@ _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal"
 
 
 def _field_value(value: Any) -> int | None:
+    """One entry's value by its declared type; None where the entry failed, its type is
+    unknown or it is a double that is no number."""
     if value.nvmlReturn != pynvml.NVML_SUCCESS:
         return None
     kind = int(value.valueType)

@@ -84,6 +84,7 @@ class GpuHealthSignals:
     clocks_event_reasons: int | None = None
     fabric: FabricInfo | None = None
     persistence_mode: int | None = None
+    recovery_action: int | None = None  # NVML field 230: nvmlDeviceGpuRecoveryAction_t
     pcie: PcieLink | None = None
     nvlinks: tuple[NvLink, ...] | None = None  # None: the GPU has no NVLink
     pcie_aer: PcieAer | None = None

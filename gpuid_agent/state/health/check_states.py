@@ -1,4 +1,10 @@
-"""Each check's current status and the one last reported, for one GPU or the node."""
+"""Each check's current status and the last one reported, and which changes are news.
+
+What is reported is the last *judgement*: a check that cannot be judged for a while ("unknown")
+is shown as such but not reported, so unhealthy → unknown → unhealthy is no news and
+unhealthy → unknown → healthy is one transition, unhealthy → healthy. A check that starts out
+healthy or not supported is not news either.
+"""
 
 from __future__ import annotations
 

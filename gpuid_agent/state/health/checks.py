@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from gpuid_agent.sources.nvml.signals import EccCounts, RemappedRows
 from gpuid_agent.state.health.clocks import SLOWDOWN_REASONS, decode_clock_reasons
-from gpuid_agent.state.health.verdicts import HEALTHY, Verdict
+from gpuid_agent.state.health.verdicts import ACTIONS, HEALTHY, Verdict
 from gpuid_agent.state.health.xid import XidClass
 
 # A hardware slowdown reason active in at least this share of the window's samples makes the
@@ -19,7 +19,6 @@ from gpuid_agent.state.health.xid import XidClass
 SLOWDOWN_SHARE = 0.25
 MIN_SAMPLES = 3
 _SEVERITY = {"healthy": 0, "degraded": 1, "unhealthy": 2}
-_ACTIONS = ("none", "check_workload", "reboot", "hardware_inspection")
 
 
 def format_window(seconds: float) -> str:
@@ -121,7 +120,8 @@ def remapped_rows_verdict(rows: RemappedRows) -> Verdict:
             "hardware_inspection",
         )
     if rows.pending:
-        return Verdict("unhealthy", "row remapping pending: reboot (GPU reset) to apply", "reboot")
+        # NVIDIA: the GPU keeps working; the remap takes effect at the next reset (XID 63)
+        return Verdict("degraded", "row remapping pending: reset the GPU when convenient", "reset")
     return HEALTHY
 
 
@@ -178,7 +178,7 @@ def gpu_count_verdict(usable: int, expected: int | None, source: str) -> Verdict
 
 
 def _rank(c: XidClass) -> tuple[int, int]:
-    return _SEVERITY[c.state], _ACTIONS.index(c.action)
+    return _SEVERITY[c.state], ACTIONS.index(c.action)
 
 
 def worst_xid(classes: Iterable[XidClass]) -> XidClass | None:

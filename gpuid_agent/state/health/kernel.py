@@ -2,16 +2,16 @@
 
 Imported only when KERNEL_LOG is set. A line names its GPU by PCI address, matched against
 the inventory's bus ids. An XID line is the same XID as its NVML event (the tracker pairs
-them and counts one) but says more: NVLink5 XIDs are judged per row of NVIDIA's decode table,
-and the reason names the process the driver names and XID 154's new recovery action. "Fallen
-off the bus" marks the GPU lost; an NVSwitch SXID judges the node's `nvswitch` check.
+them and counts one) but says more, carried to `judge_xid` as its `XidDetail`: NVLink5 XIDs
+are judged per row of NVIDIA's decode table, and the reason names the unit and link, XID 154's
+new recovery action and the process the driver names. "Fallen off the bus" marks the GPU lost;
+an NVSwitch SXID judges the node's `nvswitch` check.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 
 from gpuid_agent.facts import NodeInventory
@@ -27,26 +27,31 @@ from gpuid_agent.sources.kmsg.lines import (
 )
 from gpuid_agent.sources.kmsg.reader import KernelLogReader
 from gpuid_agent.sources.nvml.signals import XidEvent
-from gpuid_agent.state.health.nvlink5 import judge_nvlink5
+from gpuid_agent.state.health.nvlink5 import decode_bucket
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.verdicts import Transition
-from gpuid_agent.state.health.xid import XidClass
+from gpuid_agent.state.health.xid import XidDetail
 
 _log = log.get("health.kernel_log")
 RETRY_OPEN = 30.0  # seconds between attempts to open a log that could not be read
-_NAME_MAX = 240
 
 
-def with_detail(cls: XidClass, line: KernelXid) -> XidClass:
-    """`cls` whose name carries what the line adds: the process, XID 154's action."""
-    extra = []
+def xid_detail(line: KernelXid) -> XidDetail:
+    """What the line adds to its XID code: the NVLink5 decode row's bucket, and its words."""
+    words = []
+    subcode = bucket = None
+    if (n := line.nvlink) is not None:
+        subcode, bucket = n.subcode, decode_bucket(line.code, n)
+        where = f"link {n.link}" if n.link is not None else "no single link"
+        severity = "fatal" if n.fatal else "non-fatal"
+        row = bucket or "no decode row"
+        words.append(f"{n.unit} {severity}, {where}, status 0x{n.error_status:08x}: {row}")
     if line.recovery_text:
-        extra.append(f"recovery action now {line.recovery_text}")
+        words.append(f"recovery action now {line.recovery_text}")
     if line.pid is not None or line.process:
-        extra.append(f"pid {line.pid if line.pid is not None else '?'} {line.process or ''}")
-    if not extra:
-        return cls
-    return replace(cls, name=f"{cls.name} ({'; '.join(e.strip() for e in extra)})"[:_NAME_MAX])
+        words.append(f"pid {line.pid if line.pid is not None else '?'} {line.process or ''}")
+    text = "; ".join(w.strip() for w in words)
+    return XidDetail(subcode, bucket, text or None)
 
 
 class KernelLogWatch:
@@ -69,9 +74,8 @@ class KernelLogWatch:
         index, uuid = gpu
         if isinstance(event, GpuOffBus):
             return self.tracker.mark_off_bus(uuid, "GPU has fallen off the bus (kernel log)")
-        cls = with_detail(judge_nvlink5(event.code, event.nvlink), event)
         xid = XidEvent(index=index, uuid=uuid, code=event.code, at=datetime.now(UTC))
-        return self.tracker.record_xid(xid, cls, source="kernel")
+        return self.tracker.record_xid(xid, xid_detail(event), source="kernel")
 
     def _gpu(self, pci: PciAddress, inventory: NodeInventory | None) -> tuple[int, str] | None:
         for g in inventory.gpus if inventory is not None else ():

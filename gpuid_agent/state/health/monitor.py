@@ -2,10 +2,13 @@
 tracker that judges them. The collector calls `check` once per collection and `record_xid`
 per event; both return the check transitions, which travel in the next snapshot (health
 records; logs once joined to the GPU's holders) while `snapshot()` is the current verdict
-(/gpu/metrics, Node conditions)."""
+(/gpu/metrics, Node conditions). With STATE_DIR, what must outlive a restart is saved to
+health.json after the collection that changed it, and operators' clear requests are taken
+each collection (`health_file`)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,8 +22,10 @@ from gpuid_agent.sources.nvml.reader import NvmlReading
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.sources.nvml.xid import XidWatcher
+from gpuid_agent.state.health.health_file import HealthFile, read_boot_id
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.verdicts import NodeHealth, Transition
+from gpuid_agent.state.health.xid import XidDetail
 
 if TYPE_CHECKING:
     from gpuid_agent.state.health.kernel import KernelLogWatch
@@ -43,6 +48,8 @@ class HealthConfig:
     xid_repeat_window: float
     expected_gpu_count: int  # -1: from the kubelet or the DRA ResourceSlices
     collect_interval: float
+    state_dir: str = ""  # health.json and clear requests; "" keeps nothing
+    host_proc: str = "/proc"  # where the boot id is read
     kernel_log: str = ""  # KERNEL_LOG; empty: the kernel log is not read
 
 
@@ -54,14 +61,18 @@ class HealthMonitor:
         board: StatusBoard,
         on_xid: Callable[[XidEvent], None],
     ) -> None:
+        self.file = HealthFile(config.state_dir)
         self.tracker = HealthTracker(
             window=config.window,
             xid_hold=config.xid_hold,
             pcie_replay_threshold=config.pcie_replay_threshold,
             xid_repeat_count=config.xid_repeat_count,
             xid_repeat_window=config.xid_repeat_window,
+            boot_id=read_boot_id(config.host_proc) if config.state_dir else None,
             kernel_log=bool(config.kernel_log),
         )
+        self.tracker.restore(self.file.load())
+        self._said_no_recovery = False
         self.kernel: KernelLogWatch | None = None
         if config.kernel_log:  # imported only when asked for: off costs nothing
             from gpuid_agent.state.health.kernel import KernelLogWatch
@@ -102,11 +113,44 @@ class HealthMonitor:
             xid_unsupported=self.xid.unsupported,
             xid_unavailable=self.xid.unavailable,
         )
+        transitions.extend(await self._operator_clears())
+        self._note_recovery_field(signals)
+        if self.tracker.unsaved and self.file.path is not None:
+            self.tracker.unsaved = False
+            await asyncio.to_thread(self.file.save, self.tracker.as_state())
         if self.xid.unavailable:
             self._board.set("health", "degraded", self.xid.unavailable)
         else:
             self._board.set("health", "ok")
         return signals, transitions
+
+    async def _operator_clears(self) -> list[Transition]:
+        if self.file.clear_dir is None:
+            return []
+        transitions: list[Transition] = []
+        for selector in await asyncio.to_thread(self.file.take_clear_requests):
+            cleared = self.tracker.clear(selector)
+            known = any(selector in (g.uuid, str(g.index)) for g in self.snapshot().gpus)
+            _log.warning(
+                "GPU health cleared by an operator" if known else "clear request: no such GPU",
+                extra={"gpu": selector, "transitions": len(cleared)},
+            )
+            transitions.extend(cleared)
+        return transitions
+
+    def _note_recovery_field(self, signals: dict[int, GpuHealthSignals]) -> None:
+        """Say once that the driver lacks the recovery action field (the recovery check on
+        /status says it per GPU)."""
+        if self._said_no_recovery:
+            return
+        lacking = [i for i, sig in signals.items() if "recovery_action" in sig.absent]
+        if lacking:
+            self._said_no_recovery = True
+            _log.info(
+                "the driver does not report GPU recovery actions (NVML field 230): "
+                "XID 154 is judged by the catalogue",
+                extra={"gpus": lacking},
+            )
 
     def expected_count(
         self, allocatable: int | None, dra_gpus: int | None
@@ -128,8 +172,8 @@ class HealthMonitor:
         if not await self.xid.stop_within(within):
             _log.warning("XID thread still waiting at shutdown")
 
-    def record_xid(self, event: XidEvent) -> list[Transition]:
-        return self.tracker.record_xid(event)
+    def record_xid(self, event: XidEvent, detail: XidDetail | None = None) -> list[Transition]:
+        return self.tracker.record_xid(event, detail)
 
 
 def with_telemetry(

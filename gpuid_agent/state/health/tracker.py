@@ -5,83 +5,44 @@ the windows the rate-based checks need, and the XIDs seen. `observe` and `record
 transitions they caused, each exactly once: a check whose state and action stay the same is
 not a transition, however often it is evaluated or however its wording changes.
 
-What is reported is the last *judgement*: a check that cannot be judged for a while ("unknown")
-is shown as such but not reported, so unhealthy → unknown → unhealthy is no news and
-unhealthy → unknown → healthy is one transition, unhealthy → healthy. A check that starts out
-healthy or not supported is not news either.
+What is reported is the last *judgement* (see `check_states`).
+
+With the kernel log on (KERNEL_LOG) an XID arrives twice, as NVML event and kernel line:
+`XidHistory` counts it once and lets the line's judgement replace the event's. The kernel log
+also says when a GPU fell off the bus (`mark_off_bus`) and reports NVSwitch SXIDs (the node's
+`nvswitch` check, `record_sxid`).
+
+A GPU reset (see `resets`), a node reboot (the boot id changed since the state was saved)
+or an operator's request (`clear`) clears the GPU's latched XIDs. `as_state` / `restore` carry
+what must outlive the agent: latched XIDs with their boot id, the boots each XID was seen in,
+and the NVLinks seen up.
 
 Runs on the event loop only (XIDs arrive from their thread through call_soon_threadsafe).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
+from typing import Any
 
 from gpuid_agent.facts import GpuIdentity
-from gpuid_agent.sources.nvml.signals import GpuHealthSignals, NvLink, PcieAer, PcieLink, XidEvent
+from gpuid_agent.runtime import log
+from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.state.health import checks as rules
 from gpuid_agent.state.health.check_states import CheckStates
 from gpuid_agent.state.health.fabric import fabric_verdict
-from gpuid_agent.state.health.links import NvLinkWatch, PcieWatch
-from gpuid_agent.state.health.nvlink_models import expected_nvlinks
+from gpuid_agent.state.health.gpu_state import GpuState
 from gpuid_agent.state.health.nvswitch import SwitchErrors
-from gpuid_agent.state.health.verdicts import (
-    GPU_CHECKS,
-    GpuHealth,
-    NodeHealth,
-    Transition,
-    Verdict,
-    worst,
-)
-from gpuid_agent.state.health.xid import XidClass, classify_xid, escalate
+from gpuid_agent.state.health.recovery import NOT_REPORTED, recovery_verdict
+from gpuid_agent.state.health.verdicts import GPU_CHECKS, NodeHealth, Transition, Verdict, worst
+from gpuid_agent.state.health.xid import XidDetail
+from gpuid_agent.state.health.xid_history import PAIR_WINDOW, Source
 
-
-@dataclass(slots=True)
-class _Gpu:
-    uuid: str
-    index: int
-    serial: str | None
-    window: float
-    replay_threshold: int = 0
-    name: str | None = None  # NVML's model name: what NVLinks the GPU should have
-    states: CheckStates = field(default_factory=CheckStates)
-    ecc_corrected: rules.CounterWindow = field(init=False)
-    ecc_uncorrected: rules.CounterWindow = field(init=False)
-    clocks: rules.ReasonWindow = field(init=False)
-    xid_counts: Counter[int] = field(default_factory=Counter)
-    last_xid: int | None = None
-    latches: list[XidClass] = field(default_factory=list)
-    recent: list[tuple[float, XidClass]] = field(default_factory=list)
-    # XIDs counted from one source (NVML event, kernel log line) that the other may still
-    # report: (when, source, class judged)
-    unpaired: list[tuple[float, str, XidClass]] = field(default_factory=list)
-    off_bus: str | None = None  # the kernel said the GPU fell off the bus
-    xid_times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
-    pcie: PcieWatch = field(init=False)
-    nvlink: NvLinkWatch = field(init=False)
-    pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
-    nvlinks: tuple[NvLink, ...] = ()
-    pcie_aer: PcieAer | None = None
-
-    def __post_init__(self) -> None:
-        self.ecc_corrected = rules.CounterWindow(self.window)
-        self.ecc_uncorrected = rules.CounterWindow(self.window)
-        self.clocks = rules.ReasonWindow(self.window)
-        self.pcie = PcieWatch(self.window, self.replay_threshold)
-        self.nvlink = NvLinkWatch(self.window, expected_nvlinks(self.name))
-
-    @property
-    def latched(self) -> XidClass | None:
-        return rules.worst_xid(self.latches)
-
-
-# An NVML event and a kernel log line of the same XID on the same GPU this close are one XID
-PAIR_WINDOW = 5.0
+_log = log.get("health")
 
 
 class HealthTracker:
@@ -93,9 +54,10 @@ class HealthTracker:
         pcie_replay_threshold: int = 0,
         xid_repeat_count: int = 0,
         xid_repeat_window: float = 3600.0,
-        kernel_log: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        boot_id: str | None = None,
+        kernel_log: bool = False,
     ) -> None:
         self.window = window
         self.xid_hold = xid_hold
@@ -104,11 +66,14 @@ class HealthTracker:
         self.xid_repeat_window = xid_repeat_window
         self._clock = clock
         self._wall = wall
-        self._gpus: dict[str, _Gpu] = {}
+        self._gpus: dict[str, GpuState] = {}
         self._node = CheckStates()
         self._xid_unsupported: Mapping[int, str] = MappingProxyType({})
         self._xid_unavailable: str | None = None
         self._snapshot: NodeHealth | None = NodeHealth()
+        self.boot_id = boot_id
+        self._saved: dict[str, dict[str, Any]] = {}  # restored state of GPUs not seen yet
+        self.unsaved = False  # what `as_state` gives changed since the last save
         self.kernel_log = kernel_log  # XIDs come from the kernel log too: pair them up
         self.switches = SwitchErrors(xid_hold)  # NVSwitch SXIDs, from the kernel log
 
@@ -142,14 +107,7 @@ class HealthTracker:
                 if state is not None:
                     state.uuid, state.serial = gpu.uuid, gpu.serial
                 else:
-                    state = _Gpu(
-                        gpu.uuid,
-                        gpu.index,
-                        gpu.serial,
-                        self.window,
-                        self.pcie_replay_threshold,
-                        gpu.name,
-                    )
+                    state = self._new_gpu(gpu)
                 self._gpus[gpu.uuid] = state
                 self._snapshot = None
             elif (state.index, state.serial) != (gpu.index, gpu.serial):
@@ -159,6 +117,13 @@ class HealthTracker:
             lost_reason = lost.get(gpu.index) or (sig.lost if sig else None)
             if lost_reason is not None:
                 unusable += 1
+            reset = state.resets.observe(sig, lost_reason)
+            if reset is not None and state.xids.clear():
+                self.unsaved = True
+                _log.info(
+                    "GPU reset seen: latched XIDs cleared",
+                    extra={"gpu": gpu.index, "uuid": gpu.uuid, "why": reset},
+                )
             verdicts = self._gpu_verdicts(state, sig, lost_reason, now)
             transitions.extend(self._apply(state, verdicts, wall))
         present = {g.uuid for g in gpus}
@@ -173,49 +138,32 @@ class HealthTracker:
         return transitions
 
     def record_xid(
-        self, event: XidEvent, judged: XidClass | None = None, source: str = "nvml"
+        self, event: XidEvent, detail: XidDetail | None = None, source: Source = "nvml"
     ) -> list[Transition]:
-        """Count an XID and re-judge its GPU's XID check at once (not at the next tick).
-
-        With the kernel log on, the same XID arrives twice, as an NVML event and as a kernel
-        line (`source` "kernel", `judged` from what the line says): whichever comes second
-        within PAIR_WINDOW is not counted again, and a line's judgement replaces the event's.
-        """
+        """Count an XID and re-judge its GPU's XID check at once (not at the next tick). An
+        XID of one MIG device names only that device's holders. `detail` and `source`
+        "kernel": what a kernel line says of it (see `XidHistory` for the pairing)."""
         state = self._gpus.get(event.uuid)
         if state is None:
             return []
         now = self._clock()
-        cls = judged or classify_xid(event.code)
-        paired = self._pair(state, source, cls, now)
-        if paired is not None and source != "kernel":
+        changed_state = state.xids.record(
+            event.code,
+            now,
+            self.boot_id,
+            detail=detail,
+            recovery_field=state.recovery_field,
+            source=source,
+        )
+        if changed_state is None:
             return []  # the kernel line already counted and judged it
-        if paired is not None:  # take back what the event's judgement added
-            state.latches = [c for c in state.latches if c is not paired]
-            state.recent = [(t, c) for t, c in state.recent if c is not paired]
-        else:
-            state.xid_counts[event.code] += 1
-            state.last_xid = event.code
         self._snapshot = None
-        cls = self._repeated(state, cls, counted=paired is None)
-        if paired is None and self.kernel_log:  # as judged, so its twin can take it back
-            state.unpaired.append((now, source, cls))
-        if cls.state != "healthy":
-            if cls.latched:
-                state.latches.append(cls)
-            else:
-                state.recent.append((now, cls))
-        verdict = self._xid_verdict(state, now)
-        return self._apply(state, {"xid": verdict}, self._wall())
-
-    @staticmethod
-    def _pair(state: _Gpu, source: str, cls: XidClass, now: float) -> XidClass | None:
-        """The class an XID from the other source was given, if it is this one's twin."""
-        state.unpaired = [u for u in state.unpaired if now - u[0] < PAIR_WINDOW]
-        for i, (_, other, seen) in enumerate(state.unpaired):
-            if other != source and seen.code == cls.code:
-                del state.unpaired[i]
-                return seen
-        return None
+        self.unsaved |= changed_state
+        changed = self._apply(state, {"xid": self._xid_verdict(state, now)}, self._wall())
+        if event.gpu_instance_id is None:
+            return changed
+        mig = (event.gpu_instance_id, event.compute_instance_id)
+        return [dataclasses.replace(t, mig_instance=mig) for t in changed]
 
     def mark_off_bus(self, uuid: str, reason: str) -> list[Transition]:
         """The kernel says the GPU fell off the bus: lost until the agent restarts."""
@@ -231,28 +179,58 @@ class HealthTracker:
         self.switches.add(now, fatal, reason)
         return self._apply_node({"nvswitch": self.switches.verdict(now)}, self._wall())
 
-    def _repeated(self, state: _Gpu, cls: XidClass, counted: bool = True) -> XidClass:
-        """`cls`, one action step stronger once its code repeated often enough."""
-        now = self._clock()
-        seen = state.xid_times.setdefault(cls.code, deque())
-        if counted:
-            seen.append(now)
-        while seen and seen[0] <= now - self.xid_repeat_window:
-            seen.popleft()
-        if self.xid_repeat_count <= 0 or len(seen) < self.xid_repeat_count:
-            return cls
-        return escalate(cls, len(seen), rules.format_window(self.xid_repeat_window))
+    def clear(self, selector: str) -> list[Transition]:
+        """An operator's request: forget the latched and recent XIDs of the GPU whose UUID or
+        index is `selector`. Returns the transitions; unknown selectors change nothing."""
+        state = next((s for s in self._gpus.values() if selector in (s.uuid, str(s.index))), None)
+        if state is None:
+            return []
+        if state.xids.clear():
+            self.unsaved = True
+        self._snapshot = None
+        return self._apply(state, {"xid": self._xid_verdict(state, self._clock())}, self._wall())
+
+    # ---- across restarts -----------------------------------------------------------------
+
+    def as_state(self) -> dict[str, Any]:
+        """What a restarted agent takes back (see `restore`); GPUs not seen in this run keep
+        what was restored for them."""
+        gpus = dict(self._saved)
+        for s in self._gpus.values():
+            if s.uuid.startswith("unknown-gpu-"):
+                continue
+            gpus[s.uuid] = {
+                **s.xids.as_state(self.boot_id),
+                "nvlink_seen_up": sorted(s.nvlink.seen_up),
+            }
+        return {"boot_id": self.boot_id, "gpus": gpus}
+
+    def restore(self, gpus: Mapping[str, Mapping[str, Any]]) -> None:
+        """Saved per-GPU state, applied as each GPU is first seen (validated by the reader)."""
+        self._saved = {uuid: dict(saved) for uuid, saved in gpus.items()}
+
+    def _new_gpu(self, gpu: GpuIdentity) -> GpuState:
+        state = GpuState(
+            gpu.uuid, gpu.index, gpu.serial, self.window, self.pcie_replay_threshold, gpu.name
+        )
+        state.xids.repeat_count = self.xid_repeat_count
+        state.xids.repeat_window = self.xid_repeat_window
+        state.xids.pair_window = PAIR_WINDOW if self.kernel_log else 0.0
+        saved = self._saved.pop(gpu.uuid, None)
+        if saved is not None:
+            state.xids.restore(saved, self.boot_id)
+            state.nvlink.seen_up.update(saved.get("nvlink_seen_up", ()))
+        return state
 
     # ---- evaluation ----------------------------------------------------------------------
 
-    def _xid_verdict(self, state: _Gpu, now: float) -> Verdict:
-        state.recent = [(t, c) for t, c in state.recent if now - t < self.xid_hold]
-        active = rules.worst_xid([*state.latches, *(c for _, c in state.recent)])
+    def _xid_verdict(self, state: GpuState, now: float) -> Verdict:
+        active = state.xids.active(now, self.xid_hold)
         unsupported = self._xid_unavailable or self._xid_unsupported.get(state.index)
         return rules.xid_verdict(active, unsupported)
 
     def _gpu_verdicts(
-        self, state: _Gpu, sig: GpuHealthSignals | None, lost: str | None, now: float
+        self, state: GpuState, sig: GpuHealthSignals | None, lost: str | None, now: float
     ) -> dict[str, Verdict]:
         lost = lost or state.off_bus
         verdicts: dict[str, Verdict] = {
@@ -266,6 +244,7 @@ class HealthTracker:
                 if name not in verdicts and name not in state.states.current:
                     verdicts[name] = unread
             return verdicts
+        verdicts["recovery"] = self._recovery(state, sig)
         verdicts["ecc"] = self._ecc(state, sig, now)
         verdicts["remapped_rows"] = self._signal(
             sig, "remapped_rows", sig.remapped_rows, rules.remapped_rows_verdict
@@ -279,7 +258,16 @@ class HealthTracker:
         verdicts["nvlink"] = self._nvlink(state, sig, now)
         return verdicts
 
-    def _pcie(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _recovery(self, state: GpuState, sig: GpuHealthSignals) -> Verdict:
+        if sig.recovery_action is None:
+            if "recovery_action" in sig.absent:
+                state.recovery_field = False
+                return Verdict("not_supported", NOT_REPORTED)
+            return self._missing(sig, "recovery_action")
+        state.recovery_field = True
+        return recovery_verdict(sig.recovery_action)
+
+    def _pcie(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         if (state.pcie_link, state.pcie_aer) != (sig.pcie, sig.pcie_aer):
             state.pcie_link, state.pcie_aer = sig.pcie, sig.pcie_aer
             self._snapshot = None
@@ -287,14 +275,18 @@ class HealthTracker:
             return self._missing(sig, "pcie_link")
         return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now, sig.pcie_aer)
 
-    def _nvlink(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _nvlink(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         links = sig.nvlinks or ()
         if state.nvlinks != links:
             state.nvlinks = links
             self._snapshot = None
         if sig.nvlinks is None:
             return self._missing(sig, "nvlink")
-        return state.nvlink.verdict(sig.nvlinks, now)
+        seen = len(state.nvlink.seen_up)
+        verdict = state.nvlink.verdict(sig.nvlinks, now)
+        if len(state.nvlink.seen_up) != seen:
+            self.unsaved = True
+        return verdict
 
     @staticmethod
     def _missing(sig: GpuHealthSignals, name: str) -> Verdict:
@@ -311,7 +303,7 @@ class HealthTracker:
     ) -> Verdict:
         return self._missing(sig, name) if value is None else judge(value)
 
-    def _ecc(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _ecc(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         ecc = sig.ecc
         if ecc is None and not sig.retired_pages_pending:
             return self._missing(sig, "ecc")
@@ -330,7 +322,7 @@ class HealthTracker:
             window=self.window,
         )
 
-    def _clock_events(self, state: _Gpu, sig: GpuHealthSignals, now: float) -> Verdict:
+    def _clock_events(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         mask = sig.clocks_event_reasons
         if mask is None:
             return self._missing(sig, "clocks_event_reasons")
@@ -343,7 +335,7 @@ class HealthTracker:
     # ---- transitions ---------------------------------------------------------------------
 
     def _apply(
-        self, state: _Gpu, verdicts: Mapping[str, Verdict], wall: datetime
+        self, state: GpuState, verdicts: Mapping[str, Verdict], wall: datetime
     ) -> list[Transition]:
         changed, dirty = state.states.apply(verdicts, wall)
         if dirty:
@@ -367,26 +359,7 @@ class HealthTracker:
     def snapshot(self) -> NodeHealth:
         """The current health of the node (rebuilt only after something changed)."""
         if self._snapshot is None:
-            gpus = []
-            for s in sorted(self._gpus.values(), key=lambda g: g.index):
-                current = s.states.current
-                ordered = {n: current[n] for n in GPU_CHECKS if n in current}
-                state, action = worst(ordered.values())
-                gpus.append(
-                    GpuHealth(
-                        index=s.index,
-                        uuid=s.uuid,
-                        serial=s.serial,
-                        state=state,
-                        action=action,
-                        checks=MappingProxyType(ordered),
-                        xid_counts=MappingProxyType(dict(s.xid_counts)),
-                        last_xid=s.last_xid,
-                        pcie=s.pcie_link,
-                        nvlinks=s.nvlinks,
-                        pcie_aer=s.pcie_aer,
-                    )
-                )
+            gpus = [s.health() for s in sorted(self._gpus.values(), key=lambda g: g.index)]
             self._snapshot = NodeHealth(tuple(gpus), MappingProxyType(dict(self._node.current)))
         return self._snapshot
 

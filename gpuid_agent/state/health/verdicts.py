@@ -12,7 +12,9 @@ from gpuid_agent.facts import HealthState, NvLink, PcieAer, PcieLink
 from gpuid_agent.state.attribution.holders import Holder
 
 CheckState = Literal["healthy", "degraded", "unhealthy", "not_supported", "unknown"]
-Action = Literal["none", "check_workload", "reboot", "hardware_inspection"]
+# reset: a GPU reset (nvidia-smi -r) clears it; drain: stop peer-to-peer traffic to the GPU;
+# reboot: the node (a reboot is also a GPU reset)
+Action = Literal["none", "check_workload", "drain", "reset", "reboot", "hardware_inspection"]
 
 CHECK_STATES: tuple[CheckState, ...] = (
     "healthy",
@@ -21,12 +23,20 @@ CHECK_STATES: tuple[CheckState, ...] = (
     "not_supported",
     "unknown",
 )
-ACTIONS: tuple[Action, ...] = ("none", "check_workload", "reboot", "hardware_inspection")
+ACTIONS: tuple[Action, ...] = (
+    "none",
+    "check_workload",
+    "drain",
+    "reset",
+    "reboot",
+    "hardware_inspection",
+)
 
 # Per-GPU checks, in the order /status and the metrics list them.
 GPU_CHECKS = (
     "lost",
     "xid",
+    "recovery",
     "ecc",
     "remapped_rows",
     "clock_events",
@@ -163,3 +173,6 @@ class Transition:
     gpu_state: HealthState | None = None
     # who held the GPU (or one of its MIG devices) when it happened; joined by the collector
     holders: tuple[Holder, ...] = ()
+    # an XID raised on one MIG device: (GPU instance, compute instance or None); its holders
+    # are that device's only
+    mig_instance: tuple[int, int | None] | None = None

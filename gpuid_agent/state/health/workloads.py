@@ -1,7 +1,8 @@
 """Health joined to workloads: which pods, containers and workloads held a GPU.
 
 A GPU's holders are those of the GPU itself and of each of its MIG devices, from the
-attribution of the same snapshot, so a transition names who was on the GPU at that moment
+attribution of the same snapshot (an XID the driver raised on one MIG device names only that
+device's holders), so a transition names who was on the GPU at that moment
 ("which jobs did XID 79 on GPU 3 hit"). Node-level checks name nobody.
 """
 
@@ -17,11 +18,22 @@ from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 
 
 def gpu_holders(
-    attribution: Attribution, inventory: NodeInventory, uuid: str
+    attribution: Attribution,
+    inventory: NodeInventory,
+    uuid: str,
+    mig_instance: tuple[int, int | None] | None = None,
 ) -> tuple[Holder, ...]:
-    """The distinct holders of GPU `uuid` and its MIG devices, in a stable order."""
+    """The distinct holders of GPU `uuid` and its MIG devices, in a stable order; with
+    `mig_instance` (GPU instance, compute instance or None) only those of that MIG device."""
     gpu = inventory.gpu_by_uuid().get(uuid)
     devices = [uuid, *(m.uuid for m in gpu.mig_devices)] if gpu is not None else [uuid]
+    if mig_instance is not None and gpu is not None:
+        gi, ci = mig_instance
+        devices = [
+            m.uuid
+            for m in gpu.mig_devices
+            if m.gpu_instance_id == gi and (ci is None or m.compute_instance_id in (ci, None))
+        ]
     seen: dict[Holder, None] = {}
     for device in devices:
         for holder in attribution.holders(device):
@@ -33,7 +45,7 @@ def with_holders(
     transitions: Iterable[Transition], inventory: NodeInventory, attribution: Attribution
 ) -> tuple[Transition, ...]:
     return tuple(
-        dataclasses.replace(t, holders=gpu_holders(attribution, inventory, t.uuid))
+        dataclasses.replace(t, holders=gpu_holders(attribution, inventory, t.uuid, t.mig_instance))
         if t.uuid is not None
         else t
         for t in transitions

@@ -7,8 +7,10 @@ bucket through the file's `buckets` table, except where an entry's `agent` block
 otherwise and why. Codes the catalogue marks unused (immediate bucket CONTACT_SUPPORT) are
 judged by the `unused` row: never expected, so worth a look, but not a reason to drain a node.
 
-A *latched* XID keeps its GPU in that state until the agent restarts (a reboot restarts it); the
-others hold for `XID_HOLD` after the last occurrence and then clear. A code outside the
+A *latched* XID keeps its GPU in that state until the GPU is reset, the node reboots or an
+operator clears it (see `tracker`); the others hold for `XID_HOLD` after the last occurrence
+and then clear. A bucket marked `needs_detail` is decided by NVIDIA per subcode, which only the
+kernel log carries: `judge_xid` takes that detail when a source has it. A code outside the
 catalogue is reported as unknown (degraded, check the workload), never dropped. The same XID
 repeated `XID_REPEAT_COUNT` times within `XID_REPEAT_WINDOW` raises its action one step.
 docs/health.md carries the table, generated from the same file.
@@ -17,8 +19,9 @@ docs/health.md carries the table, generated from the same file.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from types import MappingProxyType
 from typing import Any, Literal, cast
@@ -40,6 +43,18 @@ class XidClass:
     category: str = "unknown"
     bucket: str | None = None  # the catalogue's immediate resolution bucket
     known: bool = True  # False: the code is not in the catalogue
+    needs_detail: bool = False  # NVIDIA decides it per subcode (kernel log)
+
+
+@dataclass(frozen=True, slots=True)
+class XidDetail:
+    """What a kernel log line adds to an XID code (see `kernel.xid_detail`): the subcode of
+    XIDs 144-150 and its bucket in NVIDIA's NVLink5 decode sheet, and the line's own words
+    (the unit and link, XID 154's new recovery action, the process)."""
+
+    subcode: int | None = None
+    bucket: str | None = None  # NVIDIA's immediate bucket for this subcode, when known
+    text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +71,7 @@ class XidEntry:
     driver: str | None
     override: str | None  # why the agent judges it otherwise than its bucket says
     judged: XidClass
+    note: str | None = None  # how the agent's checks treat it, where that needs saying
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,14 @@ class XidCatalog:
     source: str
     retrieved: str
     entries: Mapping[int, XidEntry]
+    source_version: str = ""
+    sheet_sha256: str | None = None  # of NVIDIA's spreadsheet the file was built from
+    buckets: Mapping[str, tuple[XidState, Action, bool]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _judgement(raw: Mapping[str, Any], where: str) -> tuple[XidState, Action, bool]:
@@ -72,10 +96,21 @@ def _judgement(raw: Mapping[str, Any], where: str) -> tuple[XidState, Action, bo
     return cast(XidState, state), cast(Action, action), latched
 
 
+def _provenance(doc: Mapping[str, Any]) -> tuple[str, str | None]:
+    version, sha = doc.get("source_version"), doc.get("sheet_sha256")
+    if not isinstance(version, str) or not version:
+        raise ValueError("catalogue: source_version missing")
+    if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        raise ValueError(f"catalogue: sheet_sha256 {sha!r} is not a lower-case SHA-256")
+    return version, sha
+
+
 def parse_catalog(text: str) -> XidCatalog:
     """The catalogue from the data file's text; ValueError naming the first bad entry."""
     doc = json.loads(text)
+    version, sha = _provenance(doc)
     buckets = {name: _judgement(raw, f"bucket {name}") for name, raw in doc["buckets"].items()}
+    detailed = {name for name, raw in doc["buckets"].items() if raw.get("needs_detail") is True}
     entries: dict[int, XidEntry] = {}
     for raw in doc["xids"]:
         code = raw["code"]
@@ -103,10 +138,25 @@ def parse_catalog(text: str) -> XidCatalog:
             driver=raw.get("driver"),
             override=agent.get("why") if agent else None,
             judged=XidClass(
-                code, raw["description"], state, action, latched, raw["category"], immediate
+                code,
+                raw["description"],
+                state,
+                action,
+                latched,
+                raw["category"],
+                immediate,
+                needs_detail=agent is None and immediate in detailed,
             ),
+            note=raw.get("note"),
         )
-    return XidCatalog(doc["source"], doc["retrieved"], MappingProxyType(entries))
+    return XidCatalog(
+        doc["source"],
+        doc["retrieved"],
+        MappingProxyType(entries),
+        version,
+        sha,
+        MappingProxyType(buckets),
+    )
 
 
 def load_catalog() -> XidCatalog:
@@ -119,6 +169,17 @@ XID_TABLE: Mapping[int, XidClass] = MappingProxyType(
     {code: entry.judged for code, entry in CATALOG.entries.items()}
 )
 CRITICAL_XIDS = frozenset(code for code, c in XID_TABLE.items() if c.state == "unhealthy")
+RECOVERY_ACTION_XID = 154
+_NAME_MAX = 240  # a verdict's reason stays one readable line
+_XID_154 = CATALOG.buckets["XID_154"]
+# Each action's next step when an XID repeats (within the window, or across reboots).
+_NEXT_STEP: Mapping[str, Action] = {
+    "none": "check_workload",
+    "check_workload": "reset",
+    "drain": "reset",
+    "reset": "reboot",
+    "reboot": "hardware_inspection",
+}
 
 
 def classify_xid(code: int) -> XidClass:
@@ -137,13 +198,59 @@ def classify_xid(code: int) -> XidClass:
     )
 
 
+def judge_xid(
+    code: int, detail: XidDetail | None = None, *, recovery_field: bool = True
+) -> XidClass:
+    """The verdict class of one XID occurrence.
+
+    `detail` is what a kernel-log source knows of it: for a code NVIDIA decides per subcode
+    (144-150), the subcode's bucket decides; without it such a code is degraded with the
+    advice to read the kernel log, never a latched reboot. XID 154 is judged from the
+    driver's recovery action (field 230, the recovery check) where the driver has the field
+    (`recovery_field`); otherwise its catalogue bucket applies. The line's own words end the
+    reason.
+    """
+    cls = classify_xid(code)
+    if cls.code == RECOVERY_ACTION_XID and not recovery_field:
+        state, action, latched = _XID_154
+        cls = replace(cls, state=state, action=action, latched=latched)
+    judged = CATALOG.buckets.get(detail.bucket) if detail and detail.bucket else None
+    if cls.needs_detail and judged is not None and detail is not None:
+        state, action, latched = judged
+        sub = "" if detail.subcode is None else f", subcode {detail.subcode}"
+        cls = replace(
+            cls,
+            name=f"{cls.name}{sub}",
+            state=state,
+            action=action,
+            latched=latched,
+            bucket=detail.bucket,
+            needs_detail=False,
+        )
+    elif cls.needs_detail:
+        cls = replace(cls, name=f"{cls.name}: check the kernel log for its subcode")
+    if detail is None or not detail.text:
+        return cls
+    return replace(cls, name=f"{cls.name} ({detail.text})"[:_NAME_MAX])
+
+
 def escalate(cls: XidClass, repeats: int, window: str) -> XidClass:
     """`cls` one action step stronger, for an XID seen `repeats` times within `window`.
 
     A counted-only XID (healthy) stays so: XID 45 follows every aborted job. The strongest
     action cannot go further.
     """
-    if cls.state == "healthy" or cls.action == ACTIONS[-1]:
+    step = _NEXT_STEP.get(cls.action)
+    if cls.state == "healthy" or step is None:
         return cls
-    action = ACTIONS[ACTIONS.index(cls.action) + 1]
-    return replace(cls, action=action, name=f"{cls.name} (seen {repeats} times in {window})")
+    return replace(cls, action=step, name=f"{cls.name} (seen {repeats} times in {window})")
+
+
+def escalate_after_reboots(cls: XidClass, boots: int) -> XidClass:
+    """Hardware inspection for an XID seen again after two reboots (in `boots` >= 3 boots):
+    a fault that a reboot does not cure is the hardware's."""
+    if cls.state == "healthy" or boots < 3 or cls.action == "hardware_inspection":
+        return cls
+    return replace(
+        cls, action="hardware_inspection", name=f"{cls.name} (again after {boots - 1} reboots)"
+    )
