@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.agentproc import free_port, rss_mib, stop
@@ -48,34 +47,27 @@ def _start(port: int, log: Path, nofile: int | None) -> subprocess.Popen[bytes]:
         "KUBE_API": "off",
         "LOG_LEVEL": "info",
     }
-    limit: Callable[[], None] | None = None
-    if nofile is not None:
-        n = nofile
-
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
-
     with open(log, "ab") as err:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "gpuid_agent", "run"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=err,
-            preexec_fn=limit,
         )
+    if nofile is not None:  # `ulimit -n`, set before the agent has opened its server
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
+    return proc
 
 
-async def _healthz(port: int, timeout: float = 2.0) -> int | None:
+async def _healthz(port: int, within: float = 2.0) -> int | None:
     """The status code of GET /healthz on a fresh connection, None when none came in time."""
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection("127.0.0.1", port), timeout
-        )
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), within)
     except (OSError, TimeoutError):
         return None
     try:
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        line = await asyncio.wait_for(reader.readline(), timeout)
+        line = await asyncio.wait_for(reader.readline(), within)
         return int(line.split()[1]) if line.startswith(b"HTTP/1.1 ") else None
     except (OSError, TimeoutError, ValueError, IndexError):
         return None
@@ -102,7 +94,9 @@ async def _open_idle(port: int, count: int) -> list[socket.socket]:
             sock = socket.socket()
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT)
+                await asyncio.wait_for(
+                    loop.sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT
+                )
             except (OSError, TimeoutError):
                 sock.close()
                 return
@@ -161,7 +155,9 @@ async def _default_limit(tmp: Path) -> list[Row]:
             "since the last connect" if closed_after is not None else f"not in {WAIT_CLOSE:.0f} s",
         ),
         Row(group, "/healthz during the flood", answered or 0, "code", "0: no answer in 2 s"),
-        Row(group, "warning+error lines (default limit)", loud, "lines", f"{tracebacks} tracebacks"),
+        Row(
+            group, "warning+error lines (default limit)", loud, "lines", f"{tracebacks} tracebacks"
+        ),
     ]
 
 
