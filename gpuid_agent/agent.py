@@ -148,8 +148,9 @@ class Agent:
         s = self.settings
         served = exposition_registry(self.metrics.registry, s.metrics_created_series)
         app = build_app(self.page, self.renderer, served, middlewares=[mark_busy])
-        # keepalive_timeout also bounds a request line and headers trickled in (slowloris);
-        # bodies are never read, so one still arriving after the answer gets a second at most
+        # keepalive_timeout bounds a request line and headers trickled in (slowloris), from the
+        # first byte or the last answer; bodies are never read: one still arriving after the
+        # answer gets a second at most
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, logger=REQUEST_LOG,
             keepalive_timeout=s.server_idle_timeout, lingering_time=1.0,
@@ -169,8 +170,9 @@ class Agent:
                 extra={"limit": limit, "server_max_connections": s.server_max_connections},
             )
         self._listener = Listener(
-            self._runner.server, sockets, limit=limit, metrics=self.metrics.server
-        )
+            self._runner.server, sockets, limit=limit,
+            idle_timeout=s.server_idle_timeout, metrics=self.metrics.server,
+        )  # fmt: skip
         self.bound_port = sockets[0].getsockname()[1]
 
     async def start(self) -> None:

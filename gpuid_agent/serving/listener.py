@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import resource
 import socket
+import sys
+import termios
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -34,7 +37,8 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.metrics import ServerMetrics
 
 _log = log.get("http")
-BACKLOG = 128
+BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
+_ACCEPTS_PER_PASS = 128
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY_WITHOUT_SPARE = 0.5  # seconds between accepts when not even the spare fd came back
 LOG_EVERY = 60.0
@@ -71,36 +75,55 @@ def connection_limit(wanted: int) -> int:
 
 
 class Connection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, with what the listener needs to choose one to
-    close: when it last received bytes (its place in the listener's order) and whether a
-    request handler is running on it (`busy`, kept by `mark_busy`)."""
+    """One connection. aiohttp's protocol for it is made on its first byte: one that never
+    sends any costs no parser, task or timer, and is closed by the listener's sweep. Keeps what
+    the listener needs to choose a connection to close: when it last received bytes (its place
+    in the listener's order) and whether a request handler runs on it (`busy`, see
+    `mark_busy`)."""
 
-    def __init__(self, inner: asyncio.Protocol, listener: Listener) -> None:
-        self.inner, self.listener = inner, listener
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self.busy = 0
+        self.last_active = 0.0
+
+    def unread(self) -> bool:
+        """Whether bytes wait in the kernel for this connection."""
+        try:
+            waiting = fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return False
+        return int.from_bytes(waiting, sys.byteorder) > 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.fd = transport.get_extra_info("socket").fileno()
         self.listener.opened(self)
-        self.inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.listener.closed(self)
-        self.inner.connection_lost(exc)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self.listener.touched(self)
+        if self.inner is None:
+            self.inner = self.listener.factory()
+            self.inner.connection_made(self.transport)  # type: ignore[arg-type]
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        return self.inner.eof_received() if self.inner is not None else None
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.inner is not None:
+            self.inner.resume_writing()
 
 
 @web.middleware
@@ -160,10 +183,11 @@ class Listener:
         sockets: list[socket.socket],
         *,
         limit: int,
+        idle_timeout: float,
         metrics: ServerMetrics,
     ) -> None:
         self.factory, self.sockets, self.limit = factory, sockets, limit
-        self.metrics = metrics
+        self.idle_timeout, self.metrics = idle_timeout, metrics
         self._loop = asyncio.get_running_loop()
         # least recently active first; insertion order is the order of last activity
         self._open: OrderedDict[Connection, None] = OrderedDict()
@@ -172,6 +196,8 @@ class Listener:
         self._spare: int | None = os.open(os.devnull, os.O_RDONLY)
         for sock in sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
+        self._sweep_every = min(1.0, idle_timeout / 4)
+        self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
 
     @property
     def open_connections(self) -> int:
@@ -179,6 +205,7 @@ class Listener:
 
     # the connections' events
     def opened(self, connection: Connection) -> None:
+        connection.last_active = self._loop.time()
         self._open[connection] = None
         self.metrics.connections.set(len(self._open))
 
@@ -187,12 +214,13 @@ class Listener:
         self.metrics.connections.set(len(self._open))
 
     def touched(self, connection: Connection) -> None:
+        connection.last_active = self._loop.time()
         if connection in self._open:
             self._open.move_to_end(connection)
 
     # accepting
     def _accept(self, sock: socket.socket) -> None:
-        for _ in range(BACKLOG):
+        for _ in range(_ACCEPTS_PER_PASS):
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -219,7 +247,7 @@ class Listener:
 
     async def _adopt(self, conn: socket.socket) -> None:
         try:
-            await self._loop.connect_accepted_socket(lambda: Connection(self.factory(), self), conn)
+            await self._loop.connect_accepted_socket(lambda: Connection(self), conn)
         except OSError:
             conn.close()
 
@@ -261,17 +289,44 @@ class Listener:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     def _close_quietest(self, reason: str) -> bool:
-        """Close the connection quiet the longest that is not serving a request."""
-        for connection in self._open:
-            if not connection.busy and connection.transport is not None:
-                self._open.pop(connection)
+        """Close the connection quiet the longest that is neither serving a request nor holding
+        bytes not yet read (a probe whose request arrived while this loop was busy accepting)."""
+        for _ in range(len(self._open)):
+            connection = next(iter(self._open))
+            if connection.busy or connection.unread():
+                self._open.move_to_end(connection)
+                continue
+            self._open.pop(connection)
+            if connection.transport is not None:
                 connection.transport.abort()
-                self._tally.add(reason, self.open_connections, self.limit)
-                return True
+            self._tally.add(reason, self.open_connections, self.limit)
+            return True
         return False
 
+    def _sweep(self) -> None:
+        """Close the connections that received nothing for the idle timeout (aiohttp's own
+        timer bounds a request whose bytes trickle in)."""
+        now = self._loop.time()
+        while self._open:
+            connection = next(iter(self._open))
+            if connection.last_active > now - self.idle_timeout:
+                break
+            if connection.busy:  # a long answer to a slow reader: not idle
+                self.touched(connection)
+                continue
+            self._open.pop(connection)
+            if connection.transport is not None:
+                connection.transport.abort()
+        self.metrics.connections.set(len(self._open))
+        self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
+
     def close(self) -> None:
-        """Stop accepting; the connections themselves are closed by aiohttp's runner."""
+        """Stop accepting, close the connections that never sent a byte; aiohttp's runner
+        closes the others."""
+        self._sweeping.cancel()
+        for connection in list(self._open):
+            if connection.inner is None and connection.transport is not None:
+                connection.transport.abort()
         for sock in self.sockets:
             if sock.fileno() >= 0:
                 self._loop.remove_reader(sock.fileno())
