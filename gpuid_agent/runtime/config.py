@@ -279,8 +279,8 @@ class Settings(OtelSettings):
     server_port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
     server_idle_timeout: PositiveDuration = Field(
         30.0,
-        description="An HTTP connection with no complete request for this long is closed: an "
-        "idle keep-alive, or one whose request line and headers arrive too slowly.",
+        description="An HTTP connection that sends nothing for this long is closed, and so is "
+        "a request whose line and headers are not complete this long after they began.",
     )
     server_max_connections: int = Field(
         512,

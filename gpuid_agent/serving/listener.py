@@ -14,7 +14,8 @@ once (on Linux a flood of "socket.accept() out of system resource" lines). This 
 - counts what it closed (`gpuid_http_connections_closed_total`) and logs it at most once a
   minute with the counts.
 
-Idle and slow connections themselves are closed by aiohttp's keep-alive timer (see agent.py).
+A connection that sends nothing for the idle timeout is closed by the listener's sweep; aiohttp's
+keep-alive timer (the same timeout, see agent.py) cuts off a request whose bytes trickle in.
 """
 
 from __future__ import annotations
