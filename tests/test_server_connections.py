@@ -137,7 +137,7 @@ async def open_connections(agent: AgentProcess, at_least: int = 0, at_most: int 
 async def settled_fds(agent: AgentProcess) -> bool:
     """Whether the agent's descriptors stayed the same over 0.2 s (the last one closed)."""
     before = agent.fds()
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a hold: nothing opens or closes meanwhile
     return agent.fds() == before
 
 

@@ -41,6 +41,11 @@ _log = log.get("http")
 BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 _ACCEPTS_PER_PASS = 128
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# accept(2) on Linux also passes on network errors of a connection already gone: skip it
+_GONE = frozenset(
+    {errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTDOWN,
+     errno.EHOSTUNREACH, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EPERM, errno.ENONET}
+)  # fmt: skip
 _RETRY_WITHOUT_SPARE = 0.5  # seconds between accepts when not even the spare fd came back
 LOG_EVERY = 60.0
 
@@ -226,9 +231,9 @@ class Listener:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except ConnectionAbortedError:
-                continue
             except OSError as exc:
+                if exc.errno in _GONE:
+                    continue
                 if exc.errno not in _OUT_OF_FDS:
                     raise
                 if not self._out_of_descriptors(sock):
