@@ -33,7 +33,9 @@ from gpuid_agent.runtime.metrics import AgentMetrics, exposition_registry
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.app import build_app
+from gpuid_agent.serving.listener import Listener, bind, connection_limit, mark_busy
 from gpuid_agent.serving.renderer import MetricsRenderer
+from gpuid_agent.serving.request_log import REQUEST_LOG
 from gpuid_agent.serving.status_page import StatusPage
 from gpuid_agent.setup.delivery import build_delivery, otlp_metrics_push
 from gpuid_agent.setup.environment import node_environment
@@ -140,23 +142,39 @@ class Agent:
         )  # fmt: skip
         self.kube: KubeClient | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: Listener | None = None
         self.bound_port: int | None = None
 
     async def _serve(self) -> None:
-        served = exposition_registry(self.metrics.registry, self.settings.metrics_created_series)
-        app = build_app(self.page, self.renderer, served)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
         s = self.settings
-        site = web.TCPSite(self._runner, s.server_address, s.server_port, reuse_address=True)
+        served = exposition_registry(self.metrics.registry, s.metrics_created_series)
+        app = build_app(self.page, self.renderer, served, middlewares=[mark_busy])
+        # keepalive_timeout bounds a request line and headers trickled in (slowloris), from the
+        # first byte or the last answer; bodies are never read: one still arriving after the
+        # answer gets a second at most
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, logger=REQUEST_LOG,
+            keepalive_timeout=s.server_idle_timeout, lingering_time=1.0,
+        )  # fmt: skip
+        await self._runner.setup()
         try:
-            await site.start()
+            sockets = bind(s.server_address, s.server_port)
         except OSError as exc:
             await self._runner.cleanup()
             self._runner = None
             raise bind_error(s.server_address, s.server_port, exc) from exc
-        sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
-        self.bound_port = sockets[0].getsockname()[1] if sockets else s.server_port
+        assert self._runner.server is not None
+        limit = connection_limit(s.server_max_connections)
+        if limit < s.server_max_connections:
+            _log.info(
+                "HTTP connections limited to half the file-descriptor limit",
+                extra={"limit": limit, "server_max_connections": s.server_max_connections},
+            )
+        self._listener = Listener(
+            self._runner.server, sockets, limit=limit,
+            idle_timeout=s.server_idle_timeout, metrics=self.metrics.server,
+        )  # fmt: skip
+        self.bound_port = sockets[0].getsockname()[1]
 
     async def start(self) -> None:
         log.set_context(node=self.identity.node)
@@ -256,6 +274,8 @@ class Agent:
         if self.kube is not None:
             await self.kube.close()
         await self.environment.stop()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         _log.info("agent stopped")

@@ -289,6 +289,17 @@ class Settings(OtelSettings):
     # serving
     server_address: str = Field("0.0.0.0", description="Address of the HTTP server.")
     server_port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP server.")
+    server_idle_timeout: PositiveDuration = Field(
+        30.0,
+        description="An HTTP connection that sends nothing for this long is closed, and so is "
+        "a request whose line and headers are not complete this long after they began.",
+    )
+    server_max_connections: int = Field(
+        512,
+        ge=1,
+        description="Open HTTP connections at most (and at most half the file-descriptor limit); "
+        "one more closes the longest quiet connection not serving a request.",
+    )
     metrics_naming: Literal["prometheus", "dcgm"] = Field(
         "prometheus", description="Field and label names of /gpu/metrics."
     )

@@ -141,6 +141,7 @@ class AgentMetrics:
         )
         self.labels = LabelMetrics(r)
         self.attribution = AttributionMetrics(r)
+        self.server = ServerMetrics(r)
         self.kube_api_requests = Counter(
             "gpuid_kube_api_requests_total",
             "Kubernetes API requests by verb, resource and HTTP code (timeout/connection/error).",
@@ -291,3 +292,21 @@ class AttributionMetrics:
             ["outcome"],
             registry=r,
         )
+
+
+class ServerMetrics:
+    """The HTTP server's connections (idle ones closed by the keep-alive timer are not counted)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.connections = Gauge(
+            "gpuid_http_connections", "Open connections to the HTTP server.", registry=registry
+        )
+        self.closed = Counter(
+            "gpuid_http_connections_closed_total",
+            "Connections the HTTP server closed to make room (limit: SERVER_MAX_CONNECTIONS "
+            "reached; out_of_fds: no file descriptor left) or refused at once (refused).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("limit", "out_of_fds", "refused"):
+            self.closed.labels(reason)

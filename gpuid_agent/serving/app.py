@@ -8,10 +8,12 @@ snapshot (and shared by the scrapes that arrive meanwhile).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
@@ -48,7 +50,10 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 
 def build_app(
-    page: HealthView, renderer: MetricsView, registry: CollectorRegistry
+    page: HealthView,
+    renderer: MetricsView,
+    registry: CollectorRegistry,
+    middlewares: Sequence[Middleware] = (),
 ) -> web.Application:
     async def gpu_metrics(request: web.Request) -> web.Response:
         if renderer.openmetrics_offered and _wants_openmetrics(request):
@@ -71,7 +76,7 @@ def build_app(
     async def status(request: web.Request) -> web.Response:
         return _json(page.status())
 
-    app = web.Application()
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/gpu/metrics", gpu_metrics)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
