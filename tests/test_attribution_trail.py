@@ -233,7 +233,9 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
     )
     assert trail.owed(attribute(inventory, snapshot, pods=lookup), inventory) == []
     uid["value"] = "uid-2"
-    replaced = [to_wire(r) for r in trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)]
+    replaced = [
+        to_wire(r) for r in trail.owed(attribute(inventory, snapshot, pods=lookup), inventory)
+    ]
     assert [(r["event"], r["pod_uid"]) for r in replaced] == [("end", "uid-1"), ("start", "uid-2")]
     assert replaced[0]["allocation_id"] == record["allocation_id"]
     assert replaced[1]["allocation_id"] != record["allocation_id"]

@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuid_agent.delivery.spool_files import MAX_BATCH_FILE_BYTES
+from gpuid_agent.delivery.spool_files import MAX_BATCH_FILE_BYTES, SpoolFiles
+from gpuid_agent.runtime.errors import CorruptBatchError
 from gpuid_agent.runtime.metrics import AgentMetrics
 from gpuid_agent.state.gpu_slots import GpuSlots
 from gpuid_agent.state.state_file import MAX_STATE_FILE_BYTES, StateDir
@@ -244,6 +246,19 @@ def test_a_rejected_dir_that_leads_out_of_state_dir_is_not_used(tmp_path: Path) 
     assert GpuSlots(StateDir(str(state))).serials is None
     assert list(elsewhere.iterdir()) == []
     assert (state / "hardware.json").read_bytes() == b"not json"  # the next save replaces it
+
+
+def test_a_batch_file_swapped_after_the_index_fails_its_read_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo.ndjson")
+    os.symlink("/dev/zero", tmp_path / "zero.ndjson")
+    (tmp_path / "huge.ndjson").touch()
+    os.truncate(tmp_path / "huge.ndjson", MAX_BATCH_FILE_BYTES + 1)
+    for name, why in (("fifo", "a FIFO"), ("zero", "a symlink"), ("huge", "over")):
+        path = tmp_path / f"{name}.ndjson"
+        with pytest.raises(CorruptBatchError, match=why):
+            SpoolFiles.read([path])
+        with pytest.raises(CorruptBatchError, match=why):
+            SpoolFiles.read_records(path, 1)
 
 
 def open_writer(fifo: Path) -> int | None:
