@@ -9,8 +9,10 @@ them as supervised tasks beside the HTTP server, and stops them in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -52,6 +54,7 @@ from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import build_attributor
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.collector import Collector, NodeIdentity
+from gpuid_agent.state.state_file import StateDir
 
 if TYPE_CHECKING:
     from gpuid_agent.delivery.otlp_metrics import OtlpMetricsPush
@@ -113,9 +116,10 @@ class Agent:
             source=self.source, heartbeat_interval=s.heartbeat_interval,
             publish=self.pipeline.publish,
         )  # fmt: skip
+        state_dir = StateDir(s.state_dir, self.metrics.state_files_rejected)
         self.trail = AllocationTrail(
             TrailIdentity(s.cluster_name, node, self.source),
-            publish_durable=self.pipeline.publish_durable, state_dir=s.state_dir,
+            publish_durable=self.pipeline.publish_durable, state_dir=state_dir,
             usage_interval=s.accounting_interval,
         )  # fmt: skip
         self.health_records = HealthPublisher(self.pipeline.publish, source=self.source)
@@ -123,7 +127,7 @@ class Agent:
             cluster=s.cluster_name,
             source=self.source,
             publish_durable=self.pipeline.publish_durable,
-            state_dir=s.state_dir,
+            state_dir=state_dir,
         )
         self.labelling = NodeLabelling(
             labelling_config(s), node, self.metrics, self.board, self.identity.use_machine
@@ -282,9 +286,57 @@ class Agent:
 
 
 async def run_agent(settings: Settings, stop: asyncio.Event) -> None:
-    agent = Agent(settings)
-    await agent.start()
+    """Build, start and run the agent until `stop` is set. A stop while it is still being
+    built or started ends it there: a start held up by a file or a driver that does not
+    answer never holds up SIGTERM."""
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        building = _build_in_thread(settings)
+        await asyncio.wait((building, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not building.done():
+            _log.warning("stopped while starting: the agent was still being built")
+            return
+        agent = building.result()
+        starting = asyncio.ensure_future(agent.start())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            _log.warning("stopped while starting")
+            starting.cancel()
+            await asyncio.wait((starting,))
+        else:
+            starting.result()  # a start that failed (a port in use) raises here, as before
+        try:
+            await stop.wait()
+        finally:
+            await agent.stop()
     finally:
-        await agent.stop()
+        stopping.cancel()
+
+
+def _build_in_thread(settings: Settings) -> asyncio.Future[Agent]:
+    """`Agent(settings)` built in a daemon thread: the loop stays free to take a signal while
+    the build reads files and loads libraries, and a build that never returns (a FIFO, a hung
+    mount) is left behind at exit instead of holding it."""
+    loop = asyncio.get_running_loop()
+    built: asyncio.Future[Agent] = loop.create_future()
+
+    def settle(agent: Agent | None, exc: BaseException | None) -> None:
+        if built.done():
+            return
+        if exc is not None:
+            built.set_exception(exc)
+        elif agent is not None:
+            built.set_result(agent)
+
+    def build() -> None:
+        agent: Agent | None = None
+        failure: BaseException | None = None
+        try:
+            agent = Agent(settings)
+        except BaseException as exc:  # handed to the loop, raised where the agent is awaited
+            failure = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: stopped while building
+            loop.call_soon_threadsafe(settle, agent, failure)
+
+    threading.Thread(target=build, name="agent-build", daemon=True).start()
+    return built

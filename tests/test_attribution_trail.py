@@ -142,19 +142,29 @@ async def test_restart_without_state_dir_reannounces_under_the_same_ids(
     assert runs[0][0]["allocation_id"] == runs[1][0]["allocation_id"]
 
 
-async def test_a_damaged_state_file_is_ignored(
+REJECTED_TOTAL = "gpuid_state_files_rejected_total"
+
+
+async def test_a_damaged_state_file_is_set_aside(
     fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpuid_agent")
-    (tmp_path / STATE_FILE).write_bytes(b'{"version": 1, "node": "node-a", "open": [{"pod": 1}]')
+    damaged = b'{"version": 1, "node": "node-a", "open": [{"pod": 1}]'
+    (tmp_path / STATE_FILE).write_bytes(damaged)
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
     kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
     out = io.BytesIO()
-    async with running_agent(make_agent(fake_nvml, kubelet, out, state_dir=str(tmp_path))):
+    agent = make_agent(fake_nvml, kubelet, out, state_dir=str(tmp_path))
+    async with running_agent(agent):
         await eventually(lambda: allocations(out))
     assert by_pod(allocations(out), "start").keys() == {"p"}
-    assert any(r.getMessage() == "ignoring unreadable allocation state" for r in caplog.records)
+    [line] = [r for r in caplog.records if r.getMessage().startswith("state file set aside")]
+    assert (line.file, line.reason) == (STATE_FILE, "invalid")  # type: ignore[attr-defined]
+    [kept] = (tmp_path / "rejected").iterdir()
+    assert kept.name.endswith(".invalid") and kept.read_bytes() == damaged
+    labels = {"file": STATE_FILE, "reason": "invalid"}
+    assert agent.metrics.registry.get_sample_value(REJECTED_TOTAL, labels) == 1
     saved = orjson.loads((tmp_path / STATE_FILE).read_bytes())
     assert [r["pod"] for r in saved["open"]] == ["p"]
 

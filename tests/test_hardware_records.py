@@ -23,6 +23,7 @@ from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.gpu_slots import GpuSlots, changes
+from gpuid_agent.state.state_file import StateDir
 from tests import fakenvml
 from tests.conftest import running_agent, settings
 from tests.fakenvml.fixtures import FakeNvml
@@ -103,7 +104,9 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     tmp_path: Path,
 ) -> None:
     bus, state = SnapshotBus(), tmp_path / "hardware.json"
-    first = HardwareWatch(cluster="c", source="t", publish_durable=_never, state_dir=str(tmp_path))
+    first = HardwareWatch(
+        cluster="c", source="t", publish_durable=_never, state_dir=StateDir(str(tmp_path))
+    )
     task = asyncio.create_task(run_emitter(bus.subscribe("hardware"), first))
     bus.publish(snapshot(1, _inventory(("0000:18:00.0", "S1"))))
     await eventually(lambda: state.exists())  # the baseline
@@ -119,7 +122,7 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
 
     bus = SnapshotBus()
     second = HardwareWatch(
-        cluster="c", source="t", publish_durable=publish, state_dir=str(tmp_path)
+        cluster="c", source="t", publish_durable=publish, state_dir=StateDir(str(tmp_path))
     )
     runner = asyncio.create_task(run_emitter(bus.subscribe("hardware"), second))
     await eventually(lambda: published)
@@ -127,13 +130,13 @@ async def test_a_kill_between_saving_and_publishing_republishes_the_same_record(
     bus.close()
     await runner
     assert [to_wire(r) for r in published] == [owed]
-    third = GpuSlots(str(tmp_path))
+    third = GpuSlots(StateDir(str(tmp_path)))
     assert third.pending == [] and third.serials == {"0000:18:00.0": "S2"}
 
 
 def test_an_unreadable_state_file_is_survived_as_no_baseline(tmp_path: Path) -> None:
     (tmp_path / "hardware.json").write_bytes(b'{"version": 1, "slots": {"a": 7}}')
-    slots = GpuSlots(str(tmp_path))
+    slots = GpuSlots(StateDir(str(tmp_path)))
     assert slots.serials is None
     assert slots.update(_inventory(("a", "S1"))) == []  # a baseline, not a change
 

@@ -38,6 +38,7 @@ from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
+from gpuid_agent.state.state_file import StateDir
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
@@ -346,7 +347,9 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
 
     identity = TrailIdentity("c", "n", "src")
     bus = SnapshotBus()
-    first = AllocationTrail(identity, publish_durable=dies_mid_publish, state_dir=str(tmp_path))
+    first = AllocationTrail(
+        identity, publish_durable=dies_mid_publish, state_dir=StateDir(str(tmp_path))
+    )
     task = asyncio.create_task(run_emitter(bus.subscribe("allocations"), first))
     bus.publish(_node(1, "job-1"))
     await asyncio.wait_for(blocked.wait(), 10)
@@ -360,7 +363,7 @@ async def test_a_kill_between_saving_and_publishing_loses_no_record(tmp_path: Pa
         published.extend(records)
 
     bus = SnapshotBus()
-    second = AllocationTrail(identity, publish_durable=spool, state_dir=str(tmp_path))
+    second = AllocationTrail(identity, publish_durable=spool, state_dir=StateDir(str(tmp_path)))
     task = asyncio.create_task(run_emitter(bus.subscribe("allocations"), second))
     try:
         bus.publish(_node(1))  # job-1 went while no agent ran

@@ -3,7 +3,10 @@ writes, reads, moves to `rejected/` and unlinks. All of it is blocking file I/O:
 spool runs these methods in worker threads (only the index, at start, runs inline).
 
 Each file is named `<created ns>-<batch id>-<record count>.<form>`, so a spool can be indexed,
-ordered and trimmed without reading a byte of it.
+ordered and trimmed without reading a byte of it. An entry under such a name that no batch
+file can be (a FIFO, a symlink, a device, a file over MAX_BATCH_FILE_BYTES) is moved into
+`rejected/` unopened when indexed; one swapped in later fails its read (never blocking, never
+followed: `runtime/regular_file.py`) and its batch is set aside.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,11 +22,16 @@ from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.store import StoredBatch
 from gpuid_agent.records.serialize import from_json_lines
 from gpuid_agent.records.types import AnyRecord
-from gpuid_agent.runtime.errors import CorruptBatchError, WireError
+from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import CorruptBatchError, RefusedFileError, WireError
+from gpuid_agent.runtime.regular_file import check_regular, read_regular_file
 
 REJECTED_DIR = "rejected"
+# Twice the largest batch the agent writes (BATCH_SIZE's bound, 100,000 records of ~600 bytes)
+MAX_BATCH_FILE_BYTES = 128 * 1024 * 1024
 _NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
 Encoded = bytes  # a batch file's content (`bytes` is a property name inside DiskSpool)
+_log = log.get("spool")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -58,18 +67,38 @@ class SpoolFiles:
         found: list[StoredBatch] = []
         for entry in sorted((self.rejected if rejected else self.directory).iterdir()):
             if entry.name.endswith(".tmp") and entry.name.startswith("."):
-                entry.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a directory so named stays, ignored
+                    entry.unlink(missing_ok=True)
                 continue
             match = _NAME.match(entry.name)
-            if not match or not entry.is_file():
+            if not match:
                 continue
+            info = entry.lstat()  # a symlink is a batch's entry, never followed
+            if stat.S_ISDIR(info.st_mode):
+                continue
+            if not rejected:
+                try:
+                    check_regular(info.st_mode, info.st_size, MAX_BATCH_FILE_BYTES, entry.name)
+                except RefusedFileError as exc:
+                    self._set_aside_odd(entry, exc)  # indexed with `rejected/` next
+                    continue
             created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
             meta = BatchMeta(match.group(2), created)
-            size = entry.stat().st_size
+            size = info.st_size
             batch = StoredBatch(meta, int(match.group(3)), size=size, path=entry)
             batch.form = match.group(4)
             found.append(batch)
         return found
+
+    def _set_aside_odd(self, entry: Path, exc: RefusedFileError) -> None:
+        """Move an entry no batch file can be (a FIFO, a symlink, a device, a file over the
+        bound) into `rejected/` unopened, where the spool's bound removes it first."""
+        extra = {"spool": str(self.directory), "file": entry.name, "error": str(exc)}
+        try:
+            self.move_to_rejected(entry)
+        except OSError as move:
+            extra["move_error"] = str(move)
+        _log.error("spool file is no batch file; set aside", extra=extra)
 
     def write(self, name: str, payload: bytes, rejected: bool = False) -> Path:
         """Write `payload` to a hidden temporary name, fsync it, rename it into place and
@@ -103,22 +132,13 @@ class SpoolFiles:
 
     @staticmethod
     def read(paths: list[Path]) -> list[Encoded]:
-        out: list[Encoded] = []
-        for path in paths:
-            try:
-                out.append(path.read_bytes())
-            except OSError as exc:
-                raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
-        return out
+        return [_read_batch_file(path) for path in paths]
 
     @staticmethod
     def read_records(path: Path, count: int) -> list[AnyRecord]:
         """Read and decode one JSON-lines batch file (in a worker thread: a 10,000-record
         batch takes tens of milliseconds to decode, which would stall scrapes on the loop)."""
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
+        data = _read_batch_file(path)
         try:
             records = from_json_lines(data)
         except WireError as exc:
@@ -139,3 +159,12 @@ class SpoolFiles:
             except OSError as exc:
                 stuck.append((path, exc))
         return stuck
+
+
+def _read_batch_file(path: Path) -> Encoded:
+    """A batch file's bytes; CorruptBatchError (the batch is set aside) when it cannot be read
+    or is no regular file within MAX_BATCH_FILE_BYTES (swapped after the index)."""
+    try:
+        return read_regular_file(path, MAX_BATCH_FILE_BYTES)
+    except (OSError, RefusedFileError) as exc:
+        raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc

@@ -33,6 +33,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.state.allocation_trail import Ended, OpenAllocations, Started
 from gpuid_agent.state.attribution import Allocation, Attribution
 from gpuid_agent.state.snapshot import NodeSnapshot
+from gpuid_agent.state.state_file import StateDir
 
 _log = log.get("allocations")
 STATE_REFRESH = 60.0
@@ -151,7 +152,7 @@ class AllocationTrail(Emitter):
         identity: TrailIdentity,
         *,
         publish_durable: Callable[[list[AnyRecord]], Awaitable[None]],
-        state_dir: str = "",
+        state_dir: StateDir | None = None,
         usage_interval: float = 3600.0,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:

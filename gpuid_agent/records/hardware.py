@@ -22,6 +22,7 @@ from gpuid_agent.records.types import AnyRecord, HardwareRecord, header
 from gpuid_agent.runtime import log
 from gpuid_agent.state.gpu_slots import GpuSlots, SlotChange
 from gpuid_agent.state.snapshot import NodeSnapshot
+from gpuid_agent.state.state_file import StateDir
 
 _log = log.get("hardware")
 
@@ -59,7 +60,7 @@ class HardwareWatch(Emitter):
         cluster: str,
         source: str,
         publish_durable: Callable[[list[AnyRecord]], Awaitable[None]],
-        state_dir: str = "",
+        state_dir: StateDir | None = None,
     ) -> None:
         self._cluster, self._source = cluster, source
         self._publish_durable = publish_durable

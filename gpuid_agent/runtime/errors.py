@@ -13,6 +13,7 @@
     │   ├── KubeConfigError        a Kubernetes configuration that cannot be used
     │   └── KubeApiError           the API server answered with an error status
     ├── WireError              a dict that is no record's wire form (also a ValueError)
+    ├── RefusedFileError       a file the agent reads that is no regular file of bounded size
     ├── ExportError            an exporter could not deliver a batch
     └── StoreError
         └── CorruptBatchError      a spooled batch that cannot be read back
@@ -99,6 +100,15 @@ class KubeApiError(SourceError):
 class WireError(GpuidError, ValueError):
     """A dict that is not the wire form of any record (a spool file or state file damaged, or
     written by something else)."""
+
+
+class RefusedFileError(GpuidError):
+    """What sits at a path the agent reads is not a regular file it will read: a symlink, a
+    FIFO, a device, a directory, or a file over the size bound. `reason` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class ExportError(GpuidError):

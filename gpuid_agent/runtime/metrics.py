@@ -121,6 +121,13 @@ class AgentMetrics:
             ["exporter"],
             registry=r,
         )
+        self.state_files_rejected = Counter(
+            "gpuid_state_files_rejected_total",
+            "State files under STATE_DIR set aside unread or unused (moved to rejected/), by "
+            "file and reason (symlink, not_regular, too_large, unreadable, invalid).",
+            ["file", "reason"],
+            registry=r,
+        )
         self.spool_bytes = Gauge(
             "gpuid_spool_bytes",
             "Bytes of batch files in the durable spool.",

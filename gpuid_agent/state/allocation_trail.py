@@ -18,14 +18,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
 
 from gpuid_agent.runtime import log
 from gpuid_agent.state.attribution import Allocation, Attribution
-from gpuid_agent.state.state_file import WireRecord, write_atomically
+from gpuid_agent.state.state_file import StateDir, WireRecord, write_atomically
 
 _log = log.get("allocations")
 STATE_FILE = "allocations.json"
@@ -67,10 +66,13 @@ class OpenAllocations:
     that was not seen carries it as `last_seen_at`).
     """
 
-    def __init__(self, node: str, state_dir: str = "", *, stamp: Callable[[], str]) -> None:
+    def __init__(
+        self, node: str, state_dir: StateDir | None = None, *, stamp: Callable[[], str]
+    ) -> None:
         self.node = node
         self._stamp = stamp
-        self.path = Path(state_dir) / STATE_FILE if state_dir else None
+        self._state_dir = state_dir
+        self.path = state_dir.path(STATE_FILE) if state_dir else None
         self.open: dict[Key, WireRecord] = {}
         self.pending: list[WireRecord] = []  # owed by the saved open set, not yet in every spool
         # allocation_id → where its usage records stand (records/usage.py), saved with them
@@ -124,38 +126,29 @@ class OpenAllocations:
     # ---- state file ------------------------------------------------------------------------
 
     def _load(self) -> None:
-        if self.path is None:
+        # A damaged or odd file must not stop the agent: set aside, start as without STATE_DIR.
+        state = self._state_dir.load(STATE_FILE, self._parse) if self._state_dir else None
+        if state is None:
             return
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            _log.warning("cannot read allocation state", extra={"error": str(exc)})
-            return
-        try:
-            state = orjson.loads(raw)
-            if state.get("version") != STATE_VERSION or state.get("node") != self.node:
-                raise ValueError("state file is for another version or node")
-            records = [r for r in state["open"] if isinstance(r, dict)]
-            opened = {_record_key(r): r for r in records}
-            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
-            usage = {
-                str(k): v
-                for k, v in state.get("usage", {}).items()
-                if k in {r["allocation_id"] for r in records} and _mark_ok(v)
-            }
-        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            # A damaged file must not stop the agent: start over, as without STATE_DIR.
-            _log.warning(
-                "ignoring unreadable allocation state",
-                extra={"path": str(self.path), "error": str(exc)},
-            )
-            return
-        self.open, self.pending, self.usage = opened, pending, usage
+        self.open, self.pending, self.usage, self._restored_saved_at = state
         self._restored = True
-        self._restored_saved_at = str(state.get("saved_at") or "")
-        _log.info("restored open allocations", extra={"count": len(opened)})
+        _log.info("restored open allocations", extra={"count": len(self.open)})
+
+    def _parse(
+        self, raw: bytes
+    ) -> tuple[dict[Key, WireRecord], list[WireRecord], dict[str, list[Any]], str]:
+        state = orjson.loads(raw)
+        if state.get("version") != STATE_VERSION or state.get("node") != self.node:
+            raise ValueError("state file is for another version or node")
+        records = [r for r in state["open"] if isinstance(r, dict)]
+        opened = {_record_key(r): r for r in records}
+        pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+        usage = {
+            str(k): v
+            for k, v in state.get("usage", {}).items()
+            if k in {r["allocation_id"] for r in records} and _mark_ok(v)
+        }
+        return opened, pending, usage, str(state.get("saved_at") or "")
 
     def _state_bytes(self) -> bytes:
         return orjson.dumps(

@@ -19,7 +19,7 @@ import orjson
 
 from gpuid_agent.facts import NodeInventory
 from gpuid_agent.runtime import log
-from gpuid_agent.state.state_file import WireRecord, write_atomically
+from gpuid_agent.state.state_file import StateDir, WireRecord, write_atomically
 
 _log = log.get("hardware")
 STATE_FILE = "hardware.json"
@@ -68,8 +68,9 @@ class GpuSlots:
     """The remembered serial per slot (None until the first baseline) and the records still
     owed."""
 
-    def __init__(self, state_dir: str = "") -> None:
-        self.path = Path(state_dir) / STATE_FILE if state_dir else None
+    def __init__(self, state_dir: StateDir | None = None) -> None:
+        self._state_dir = state_dir
+        self.path = state_dir.path(STATE_FILE) if state_dir else None
         self.serials: Slots | None = None
         self.pending: list[WireRecord] = []
         self._load()
@@ -91,32 +92,10 @@ class GpuSlots:
     # ---- state file ------------------------------------------------------------------------
 
     def _load(self) -> None:
-        if self.path is None:
-            return
-        try:
-            state = orjson.loads(self.path.read_bytes())
-            if state.get("version") != STATE_VERSION:
-                raise ValueError(f"state version {state.get('version')!r}")
-            slots = state["slots"]
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
-                raise ValueError("slots must map bus ids to serials")
-            pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
-        except FileNotFoundError:
-            return
-        except (
-            OSError,
-            orjson.JSONDecodeError,
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-        ) as exc:
-            _log.warning(
-                "ignoring unreadable hardware state: the next inventory is the baseline",
-                extra={"path": str(self.path), "error": str(exc)},
-            )
-            return
-        self.serials, self.pending = dict(slots), pending
+        # unusable: set aside, and the next inventory is the baseline
+        state = self._state_dir.load(STATE_FILE, _parse) if self._state_dir else None
+        if state is not None:
+            self.serials, self.pending = state
 
     def _write(self, path: Path) -> None:
         payload = orjson.dumps(
@@ -131,3 +110,14 @@ class GpuSlots:
                 await asyncio.to_thread(self._write, self.path)
             except OSError as exc:
                 _log.warning("cannot save hardware state", extra={"error": str(exc)})
+
+
+def _parse(raw: bytes) -> tuple[Slots, list[WireRecord]]:
+    state = orjson.loads(raw)
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"state version {state.get('version')!r}")
+    slots = state["slots"]
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
+        raise ValueError("slots must map bus ids to serials")
+    pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
+    return dict(slots), pending
