@@ -101,10 +101,12 @@ class Agent:
         )
         if env.pod_directory is not None:  # a simulated node's pods, without an API server
             self.attributor.pods, self.pods = env.pod_directory, None
+        # every state file under STATE_DIR is read through this one (odd files set aside)
+        state_dir = StateDir(s.state_dir, self.metrics.state_files_rejected)
         nvml = NvmlSource(env.nvml_api, call_timeout=s.effective_stall_timeout())
         processes = ProcessTracker(enabled=env.process_attribution, host_proc=env.host_proc)
         self.collector = Collector(
-            collector_config(s), self.identity, nvml, self.attributor, self.bus,
+            collector_config(s, state_dir), self.identity, nvml, self.attributor, self.bus,
             metrics=self.metrics, board=self.board, processes=processes,
         )  # fmt: skip
         self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
@@ -116,7 +118,6 @@ class Agent:
             source=self.source, heartbeat_interval=s.heartbeat_interval,
             publish=self.pipeline.publish,
         )  # fmt: skip
-        state_dir = StateDir(s.state_dir, self.metrics.state_files_rejected)
         self.trail = AllocationTrail(
             TrailIdentity(s.cluster_name, node, self.source),
             publish_durable=self.pipeline.publish_durable, state_dir=state_dir,

@@ -21,6 +21,7 @@ from gpuid_agent.sources.nvml.signals import XidEvent
 from gpuid_agent.state.health.health_file import STATE_FILE, HealthFile
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.xid import XidDetail
+from gpuid_agent.state.state_file import StateDir
 from tests import fakenvml
 from tests.conftest import node_health
 from tests.fakenvml.fixtures import FakeNvml
@@ -195,7 +196,7 @@ def test_a_hostile_health_file_never_stops_the_tracker(
     ):
         path.write_bytes(payload)
         tracker = HealthTracker(boot_id="b")
-        tracker.restore(HealthFile(str(tmp_path)).load())
+        tracker.restore(HealthFile(StateDir(str(tmp_path))).load())
         gpus = [GpuIdentity(index=0, uuid="GPU-0"), GpuIdentity(index=1, uuid="GPU-1")]
         tracker.observe(gpus, {}, {})
         assert {g.uuid for g in tracker.snapshot().gpus} == {"GPU-0", "GPU-1"}
@@ -208,9 +209,9 @@ def test_a_kernel_lines_latched_verdict_outlives_a_restart(tmp_path: Path) -> No
     first = HealthTracker(boot_id="b", kernel_log=True)
     first.observe(gpus, {}, {})
     first.record_xid(XidEvent(0, "GPU-0", 149, datetime.now(UTC)), line, source="kernel")
-    HealthFile(str(tmp_path)).save(first.as_state())
+    HealthFile(StateDir(str(tmp_path))).save(first.as_state())
     again = HealthTracker(boot_id="b")
-    again.restore(HealthFile(str(tmp_path)).load())
+    again.restore(HealthFile(StateDir(str(tmp_path))).load())
     again.observe(gpus, {}, {})
     xid = again.snapshot().gpus[0].checks["xid"]
     assert (xid.state, xid.action) == ("unhealthy", "reset")  # not the code's plain "degraded"

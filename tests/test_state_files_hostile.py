@@ -110,6 +110,10 @@ class Agent:
             self.proc.wait()
 
 
+# every file the agent keeps under STATE_DIR
+STATE_FILES = ("allocations.json", "hardware.json", "health.json", "accounting.json")
+
+
 def rejected(directory: Path) -> dict[str, os.stat_result]:
     """What `rejected/` holds, by the name each entry had (lstat: links are not followed)."""
     return {p.name.split(".")[0] + ".json": p.lstat() for p in (directory / "rejected").iterdir()}
@@ -120,8 +124,8 @@ async def test_fifos_as_state_files_and_odd_spool_files_are_set_aside(
 ) -> None:
     state, spool = tmp_path / "state", tmp_path / "spool"
     state.mkdir()
-    os.mkfifo(state / "allocations.json")
-    os.mkfifo(state / "hardware.json")
+    for file in STATE_FILES:
+        os.mkfifo(state / file)
     lines = GOLDEN_BATCH.read_bytes().splitlines(keepends=True)
     good, elsewhere = lines[:5], lines[5:]
     http = spool / "http"
@@ -156,11 +160,11 @@ async def test_fifos_as_state_files_and_odd_spool_files_are_set_aside(
     try:
         to_ready = await agent.ready()
         counted = await agent.counters(REJECTED)
-        for file in ("allocations.json", "hardware.json"):
+        for file in STATE_FILES:
             assert counted[(file, "not_regular")] == 1
             assert counted[(file, "symlink")] == 0  # every reason's series is there at 0
         set_aside = rejected(state)
-        assert set_aside.keys() == {"allocations.json", "hardware.json"}
+        assert set_aside.keys() == set(STATE_FILES)
         assert all(stat.S_ISFIFO(s.st_mode) for s in set_aside.values())
         # the next save writes a regular file at the path
         await eventually(lambda: (state / "hardware.json").is_file())

@@ -18,10 +18,13 @@ from pathlib import Path
 import orjson
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import RefusedFileError
+from gpuid_agent.runtime.regular_file import read_regular_file
 
 _log = log.get("health.state")
 CLEAR_DIR = "health-clear"
 SELECTOR_LIMIT = 128
+REQUEST_LIMIT = 4096  # a request is a few dozen bytes; anything larger is not one
 
 
 def write_clear_request(state_dir: str, gpu: str) -> Path:
@@ -52,12 +55,12 @@ def take_clear_requests(directory: Path) -> list[str]:
     selectors = []
     for path in files:
         try:
-            doc = orjson.loads(path.read_bytes())
+            doc = orjson.loads(read_regular_file(path, REQUEST_LIMIT))
             gpu = doc.get("gpu") if isinstance(doc, dict) else None
             if not isinstance(gpu, str) or not 0 < len(gpu) <= SELECTOR_LIMIT:
                 raise ValueError("no GPU named")
             path.unlink()
-        except (OSError, orjson.JSONDecodeError, ValueError) as exc:
+        except (OSError, RefusedFileError, orjson.JSONDecodeError, ValueError) as exc:
             _log.warning(
                 "rejected health clear request", extra={"path": str(path), "error": str(exc)}
             )

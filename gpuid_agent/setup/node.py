@@ -11,9 +11,10 @@ from gpuid_agent.state.accounting import AccountingConfig
 from gpuid_agent.state.attribution.service import AttributionConfig
 from gpuid_agent.state.collector import CollectorConfig
 from gpuid_agent.state.health.monitor import HealthConfig
+from gpuid_agent.state.state_file import StateDir
 
 
-def collector_config(settings: Settings) -> CollectorConfig:
+def collector_config(settings: Settings, state_dir: StateDir) -> CollectorConfig:
     return CollectorConfig(
         interval=settings.collect_interval,
         health=HealthConfig(
@@ -24,11 +25,11 @@ def collector_config(settings: Settings) -> CollectorConfig:
             xid_repeat_window=settings.xid_repeat_window,
             expected_gpu_count=settings.expected_gpu_count,
             collect_interval=settings.collect_interval,
-            state_dir=settings.state_dir,
+            state_dir=state_dir,
             host_proc=settings.host_proc,
             kernel_log=settings.kernel_log,
         ),
-        accounting=AccountingConfig(settings.accounting_per_pod, settings.state_dir),
+        accounting=AccountingConfig(settings.accounting_per_pod, state_dir),
     )
 
 

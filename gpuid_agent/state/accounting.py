@@ -24,7 +24,6 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -43,7 +42,7 @@ from gpuid_agent.state.accounting_split import (
 )
 from gpuid_agent.state.attribution.holders import Attribution
 from gpuid_agent.state.attribution.shares import ProcessView
-from gpuid_agent.state.state_file import write_atomically
+from gpuid_agent.state.state_file import StateDir, write_atomically
 
 _log = log.get("accounting")
 STATE_FILE = "accounting.json"
@@ -56,7 +55,7 @@ RETAIN = 900.0  # how long an ended holding's (or pod's) totals stay readable
 @dataclass(frozen=True, slots=True)
 class AccountingConfig:
     per_pod: bool = False  # ACCOUNTING_PER_POD
-    state_dir: str = ""
+    state_dir: StateDir | None = None  # accounting.json; None keeps nothing
 
 
 class _Totals(dict[Any, list[Any]]):
@@ -78,7 +77,7 @@ class _Totals(dict[Any, list[Any]]):
 class Accountant:
     def __init__(self, config: AccountingConfig, node: str) -> None:
         self._config, self._node = config, node
-        self.path = Path(config.state_dir) / STATE_FILE if config.state_dir else None
+        self.path = config.state_dir.path(STATE_FILE) if config.state_dir else None
         self._as_of: float | None = None
         self._split: dict[str, tuple[Part, ...]] = {}
         self._energy: dict[str, float] = {}  # GPU UUID → counter (mJ) at _as_of
@@ -196,43 +195,36 @@ class Accountant:
             _log.warning("cannot save accounting state", extra={"error": str(exc)})
 
     def _load(self) -> None:
-        if self.path is None:
+        # a damaged or odd file must not stop the agent: set aside, accounting starts over
+        state_dir = self._config.state_dir
+        state = state_dir.load(STATE_FILE, self._parse) if state_dir else None
+        if state is None:
             return
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            _log.warning("cannot read accounting state", extra={"error": str(exc)})
-            return
-        try:
-            state = orjson.loads(raw)
-            if state.get("version") != STATE_VERSION or state.get("node") != self._node:
-                raise ValueError("state file is for another version or node")
-            as_of = float(state["as_of"])
-            energy = {str(k): float(v) for k, v in state["energy"].items()}
-            split = {
-                str(uuid): tuple(
-                    Part(_holding(h), _key_from_wire(w), float(g), float(d)) for h, w, g, d in parts
-                )
-                for uuid, parts in state["split"].items()
-            }
-            holdings = _Totals()
-            for key, seconds, device, joules in state["holdings"]:
-                holdings[_holding(key)] = [
-                    float(seconds),
-                    float(device),
-                    None if joules is None else float(joules),
-                ]
-        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            # a damaged file must not stop the agent: accounting starts over
-            _log.warning(
-                "ignoring unreadable accounting state",
-                extra={"path": str(self.path), "error": str(exc)},
+        self._as_of, self._energy, self._split, self._holdings = state
+        _log.info("restored accounting", extra={"holdings": len(self._holdings)})
+
+    def _parse(
+        self, raw: bytes
+    ) -> tuple[float, dict[str, float], dict[str, tuple[Part, ...]], _Totals]:
+        state = orjson.loads(raw)
+        if state.get("version") != STATE_VERSION or state.get("node") != self._node:
+            raise ValueError("state file is for another version or node")
+        as_of = float(state["as_of"])
+        energy = {str(k): float(v) for k, v in state["energy"].items()}
+        split = {
+            str(uuid): tuple(
+                Part(_holding(h), _key_from_wire(w), float(g), float(d)) for h, w, g, d in parts
             )
-            return
-        self._as_of, self._energy, self._split, self._holdings = as_of, energy, split, holdings
-        _log.info("restored accounting", extra={"holdings": len(holdings)})
+            for uuid, parts in state["split"].items()
+        }
+        holdings = _Totals()
+        for key, seconds, device, joules in state["holdings"]:
+            holdings[_holding(key)] = [
+                float(seconds),
+                float(device),
+                None if joules is None else float(joules),
+            ]
+        return as_of, energy, split, holdings
 
 
 def _holdings(split: Mapping[str, tuple[Part, ...]]) -> set[HoldingKey]:

@@ -21,7 +21,7 @@ import orjson
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.clear_requests import CLEAR_DIR, take_clear_requests
-from gpuid_agent.state.state_file import write_atomically
+from gpuid_agent.state.state_file import StateDir, write_atomically
 
 _log = log.get("health.state")
 STATE_FILE = "health.json"
@@ -42,29 +42,17 @@ def read_boot_id(proc: str) -> str | None:
 
 
 class HealthFile:
-    def __init__(self, state_dir: str) -> None:
-        self.path = Path(state_dir) / STATE_FILE if state_dir else None
-        self.clear_dir = Path(state_dir) / CLEAR_DIR if state_dir else None
+    def __init__(self, state_dir: StateDir | None) -> None:
+        self._state_dir = state_dir
+        self.path = state_dir.path(STATE_FILE) if state_dir else None
+        self.clear_dir = state_dir.path(CLEAR_DIR) if state_dir else None
         self._last: bytes | None = None
 
     def load(self) -> dict[str, dict[str, Any]]:
-        """Saved per-GPU state, each GPU's entry checked; {} without a usable file."""
-        if self.path is None:
-            return {}
-        try:
-            doc = orjson.loads(self.path.read_bytes())
-            if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-                raise ValueError(f"state version {_get(doc, 'version')!r}")
-            gpus = doc.get("gpus")
-            if not isinstance(gpus, dict):
-                raise ValueError("gpus must be an object")
-        except FileNotFoundError:
-            return {}
-        except (OSError, orjson.JSONDecodeError, ValueError) as exc:
-            _log.warning(
-                "ignoring unreadable health state: latched XIDs start afresh",
-                extra={"path": str(self.path), "error": str(exc)},
-            )
+        """Saved per-GPU state, each GPU's entry checked; {} without a usable file (an odd or
+        unreadable one is set aside by `StateDir.load`: latched XIDs start afresh)."""
+        gpus = self._state_dir.load(STATE_FILE, _gpus) if self._state_dir else None
+        if gpus is None:
             return {}
         good = {k: v for k, v in gpus.items() if isinstance(k, str) and _gpu_ok(v)}
         if len(good) != len(gpus):
@@ -91,6 +79,16 @@ class HealthFile:
     def take_clear_requests(self) -> list[str]:
         """The GPUs (UUID or index) operators asked to clear; see `runtime.clear_requests`."""
         return take_clear_requests(self.clear_dir) if self.clear_dir else []
+
+
+def _gpus(raw: bytes) -> dict[Any, Any]:
+    doc = orjson.loads(raw)
+    if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
+        raise ValueError(f"state version {_get(doc, 'version')!r}")
+    gpus = doc.get("gpus")
+    if not isinstance(gpus, dict):
+        raise ValueError("gpus must be an object")
+    return gpus
 
 
 def _get(doc: object, key: str) -> object:

@@ -26,6 +26,7 @@ from gpuid_agent.state.health.health_file import HealthFile, read_boot_id
 from gpuid_agent.state.health.tracker import HealthTracker
 from gpuid_agent.state.health.verdicts import NodeHealth, Transition
 from gpuid_agent.state.health.xid import XidDetail
+from gpuid_agent.state.state_file import StateDir
 
 if TYPE_CHECKING:
     from gpuid_agent.state.health.kernel import KernelLogWatch
@@ -48,7 +49,7 @@ class HealthConfig:
     xid_repeat_window: float
     expected_gpu_count: int  # -1: from the kubelet or the DRA ResourceSlices
     collect_interval: float
-    state_dir: str = ""  # health.json and clear requests; "" keeps nothing
+    state_dir: StateDir | None = None  # health.json and clear requests; None keeps nothing
     host_proc: str = "/proc"  # where the boot id is read
     kernel_log: str = ""  # KERNEL_LOG; empty: the kernel log is not read
 
@@ -68,7 +69,7 @@ class HealthMonitor:
             pcie_replay_threshold=config.pcie_replay_threshold,
             xid_repeat_count=config.xid_repeat_count,
             xid_repeat_window=config.xid_repeat_window,
-            boot_id=read_boot_id(config.host_proc) if config.state_dir else None,
+            boot_id=read_boot_id(config.host_proc) if self.file.path else None,
             kernel_log=bool(config.kernel_log),
         )
         self.tracker.restore(self.file.load())
