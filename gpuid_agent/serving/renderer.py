@@ -18,10 +18,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.metrics_core import Metric
-
 from gpuid_agent.runtime import log
 from gpuid_agent.serving import gpu_metrics
+from gpuid_agent.serving.exposition import Family
 from gpuid_agent.state.bus import Subscription
 from gpuid_agent.state.snapshot import NodeSnapshot
 
@@ -113,7 +112,7 @@ class MetricsRenderer:
                 # the last good body stays served; the next snapshot tries again
                 _log.exception("rendering /gpu/metrics failed", extra={"seq": snapshot.seq})
 
-    def families(self, snapshot: NodeSnapshot) -> list[Metric]:
+    def families(self, snapshot: NodeSnapshot) -> list[Family]:
         """The /gpu/metrics families of one snapshot (the OTLP metrics push reads them too)."""
         return gpu_metrics.collect(
             snapshot.inventory,
