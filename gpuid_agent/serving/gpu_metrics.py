@@ -53,7 +53,6 @@ from gpuid_agent.state.health.verdicts import NodeHealth
 __all__ = [
     "ALLOCATION_INFO",
     "FIELDS",
-    "Family",
     "HOLDERS_METRIC",
     "HOLDER_LABELS",
     "JOIN_LABELS",
@@ -61,6 +60,7 @@ __all__ = [
     "MIB",
     "MIG_LABELS",
     "WORKLOAD_LABELS",
+    "Family",
     "FieldSpec",
     "Format",
     "Naming",
@@ -190,9 +190,7 @@ def build_families(
                 if value is None:
                     continue
                 scaled = value * (spec.dcgm_scale if dcgm else spec.prom_scale)
-                family = by_field[spec.key]
-                for labels in series:
-                    family.add_metric(labels, scaled)
+                by_field[spec.key].add_metrics(series, scaled)
     telemetry = [f for f in by_field.values() if f.rows]
     return [info, holders_family, allocation_info, *telemetry]
 
