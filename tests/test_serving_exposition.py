@@ -24,6 +24,8 @@ from gpuid_agent.state.health.verdicts import CheckStatus, GpuHealth, NodeHealth
 from gpuid_agent.state.inventory import build_inventory
 
 hostile = st.text(max_size=40)  # any code point: quotes, backslashes, newlines, surrogates
+# what the formats escape or could trip on, often, and any code point besides
+tricky = st.text(st.sampled_from('a"\\\n{},= é') | st.characters(), max_size=20)
 holders = st.lists(
     st.builds(
         Holder,
@@ -155,11 +157,11 @@ def families(draw: st.DrawFn) -> list[Family]:
     for name in draw(st.lists(names, max_size=4, unique=True)):
         labelnames = draw(st.lists(names, max_size=5, unique=True))
         kind = draw(st.sampled_from(["gauge", "counter"]))
-        family = Family(name, draw(hostile), kind, labelnames)
+        family = Family(name, draw(tricky), kind, labelnames)
         rows = draw(
             st.lists(
                 st.tuples(
-                    st.lists(hostile, min_size=len(labelnames), max_size=len(labelnames)), values
+                    st.lists(tricky, min_size=len(labelnames), max_size=len(labelnames)), values
                 ),
                 max_size=4,
             )

@@ -9,6 +9,8 @@ prometheus_client's families, so a builder written against those ports by its co
     (dcgm-exporter's counters without `_total`)    -> Family(..., "counter", names, bare=True)
     if family.samples: ...                          -> if family.rows: ...
 
+(`add_metrics` puts one value on several label sets at once: dcgm naming's per-holder rows.)
+
 `write_text` and `write_openmetrics` write byte for byte what prometheus_client's two
 `generate_latest` write for the same families (tests/test_serving_exposition.py checks that
 against prometheus_client), but without one library object per sample, which at 1,024 pods
