@@ -91,7 +91,9 @@ def start_static(port: int, body_path: Path) -> subprocess.Popen[bytes]:
     )
 
 
-async def load(url: str, clients: int = 32, requests: int = 3000) -> list[float]:
+async def load(
+    url: str, clients: int = 32, requests: int = 3000, headers: dict[str, str] | None = None
+) -> list[float]:
     """Latencies (seconds) of `requests` GETs issued by `clients` concurrent clients."""
     latencies: list[float] = []
     remaining = requests
@@ -103,7 +105,7 @@ async def load(url: str, clients: int = 32, requests: int = 3000) -> list[float]
             while remaining > 0:
                 remaining -= 1
                 started = time.perf_counter()
-                async with http.get(url) as resp:
+                async with http.get(url, headers=headers) as resp:
                     await resp.read()
                 latencies.append(time.perf_counter() - started)
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
-from prometheus_client.metrics_core import Metric
 
 from gpuid_agent.delivery.exporters.base import excerpt
 from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
 from gpuid_agent.delivery.exporters.otlp.logs_encoding import resource
-from gpuid_agent.delivery.exporters.otlp.metrics_encoding import encode_metrics
+from gpuid_agent.delivery.exporters.otlp.metrics_encoding import MetricFamily, encode_metrics
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
@@ -36,7 +35,7 @@ from gpuid_agent.state.snapshot import NodeSnapshot
 NAME = "otlp_metrics"  # the `exporter` label of its success and failure counters
 _log = log.get("otlp")
 
-Families = Callable[[NodeSnapshot], list[Metric]]
+Families = Callable[[NodeSnapshot], Sequence[MetricFamily]]
 
 
 class OtlpMetricsPush:

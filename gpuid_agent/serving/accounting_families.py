@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client.core import CounterMetricFamily, Metric
-
+from gpuid_agent.serving.exposition import Family
 from gpuid_agent.serving.metrics_fields import (
     ACCOUNTING_METRICS,
     POD_ACCOUNTING_METRICS,
@@ -40,13 +39,13 @@ def _values(key: WorkloadKey, options: RenderOptions) -> list[str]:
     return [_clean(v) for v in values]
 
 
-def _counter(name: str, text: str, labels: list[str]) -> CounterMetricFamily:
-    return CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
+def _counter(name: str, text: str, labels: list[str]) -> Family:
+    return Family(name, text, "counter", labels)
 
 
 def build_accounting_families(
     accounting: AccountingView, naming: Naming, options: RenderOptions
-) -> list[Metric]:
+) -> list[Family]:
     del naming  # gpuid_* families: the same names and labels under either naming
     labels = [*WORKLOAD_LABELS, *(name for _, name in options.pod_labels)]
     seconds_name, device_name, energy_name = ACCOUNTING_METRICS
@@ -68,7 +67,7 @@ def build_accounting_families(
         labels,
     )
     _add(accounting.workloads, options, seconds, device, energy)
-    families: list[Metric] = [seconds, device, energy]
+    families: list[Family] = [seconds, device, energy]
     if accounting.pods:
         pod_seconds_name, pod_energy_name = POD_ACCOUNTING_METRICS
         pod_labels = [*labels, "pod"]
@@ -76,15 +75,15 @@ def build_accounting_families(
         pod_energy = _counter(pod_energy_name, "GPU energy used by a pod.", pod_labels)
         _add(accounting.pods, options, pod_seconds, None, pod_energy, with_pod=True)
         families += [pod_seconds, pod_energy]
-    return [f for f in families if f.samples]
+    return [f for f in families if f.rows]
 
 
 def _add(
     totals: Mapping[WorkloadKey, Usage],
     options: RenderOptions,
-    seconds: CounterMetricFamily,
-    device: CounterMetricFamily | None,
-    energy: CounterMetricFamily,
+    seconds: Family,
+    device: Family | None,
+    energy: Family,
     *,
     with_pod: bool = False,
 ) -> None:

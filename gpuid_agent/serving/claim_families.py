@@ -6,9 +6,8 @@ like `gpuid_gpu_allocation_info`, which lists DRA holders too."""
 
 from __future__ import annotations
 
-from prometheus_client.core import GaugeMetricFamily
-
 from gpuid_agent.facts import NodeInventory
+from gpuid_agent.serving.exposition import Family
 from gpuid_agent.serving.metrics_fields import (
     CLAIM_INFO,
     CLAIM_LABELS,
@@ -30,14 +29,15 @@ def _clean(value: str) -> str:
 
 def build_claim_family(
     inventory: NodeInventory, attribution: Attribution | None, naming: Naming
-) -> GaugeMetricFamily:
+) -> Family:
     del naming  # a gpuid_* family: snake_case labels under either naming
     names = [p for p, _ in (*JOIN_LABELS, *MIG_LABELS, *HOLDER_LABELS)]
-    family = GaugeMetricFamily(
+    family = Family(
         CLAIM_INFO,
         "One series (value 1) per container holding a GPU or MIG device through a DRA claim; "
         "source is dra (ResourceSlices) or dra-fallback (node-local, full GPUs).",
-        labels=names + list(CLAIM_LABELS),
+        "gauge",
+        names + list(CLAIM_LABELS),
     )
     if attribution is None:
         return family

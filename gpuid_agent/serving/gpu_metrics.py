@@ -21,14 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.openmetrics import exposition as openmetrics
-from prometheus_client.registry import Collector
-
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving.accounting_families import build_accounting_families
 from gpuid_agent.serving.claim_families import build_claim_family
+from gpuid_agent.serving.exposition import Family, write_openmetrics, write_text
 from gpuid_agent.serving.health_families import build_health_families
 from gpuid_agent.serving.metrics_fields import (
     ALLOCATION_INFO,
@@ -50,7 +46,6 @@ from gpuid_agent.serving.metrics_fields import (
     pod_label_name,
 )
 from gpuid_agent.serving.share_families import build_share_families
-from gpuid_agent.serving.text_exposition import BareCounterFamily, write_text
 from gpuid_agent.state.accounting_split import NO_ACCOUNTING, AccountingView
 from gpuid_agent.state.attribution.holders import Attribution, Holder
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
@@ -67,11 +62,11 @@ __all__ = [
     "MIB",
     "MIG_LABELS",
     "WORKLOAD_LABELS",
+    "Family",
     "FieldSpec",
     "Format",
     "Naming",
     "RenderOptions",
-    "as_registry",
     "build_families",
     "build_health_families",
     "collect",
@@ -81,14 +76,6 @@ __all__ = [
     "pod_label_columns",
     "pod_label_name",
 ]
-
-
-class _Families(Collector):
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._families)
 
 
 def _text(value: str) -> str:
@@ -112,16 +99,10 @@ def _holder_values(holder: Holder | None, options: RenderOptions) -> list[str]:
     return [_text(v) for v in values]
 
 
-def _family(
-    spec: FieldSpec, dcgm: bool, labels: list[str]
-) -> GaugeMetricFamily | CounterMetricFamily | BareCounterFamily:
-    if dcgm:
-        if spec.dcgm_counter:
-            return BareCounterFamily(spec.dcgm_name, spec.help, labels)
-        return GaugeMetricFamily(spec.dcgm_name, spec.help, labels=labels)
-    if spec.counter:
-        return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
-    return GaugeMetricFamily(spec.prom_name, spec.help, labels=labels)
+def _family(spec: FieldSpec, dcgm: bool, labels: list[str]) -> Family:
+    counter = spec.dcgm_counter if dcgm else spec.counter
+    name = spec.dcgm_name if dcgm else spec.prom_name
+    return Family(name, spec.help, "counter" if counter else "gauge", labels, bare=dcgm and counter)
 
 
 def _rows(
@@ -143,7 +124,7 @@ def build_families(
     naming: Naming,
     attribution: Attribution | None = None,
     options: RenderOptions | None = None,
-) -> list[Metric]:
+) -> list[Family]:
     dcgm = naming == "dcgm"
     per_holder = dcgm  # dcgm-exporter's layout: pod labels on every telemetry series
     options = options or RenderOptions()
@@ -162,18 +143,20 @@ def build_families(
     our_mig_names = names(MIG_LABELS, ours=True)
     info_name = "DCGM_FI_DEV_INFO" if dcgm else "gpuid_gpu_info"
     extra = ["chassis", "module_id", "driver_version"]
-    info = GaugeMetricFamily(info_name, "GPU identity (value 1).", labels=identity_names + extra)
-    holders_family = GaugeMetricFamily(
+    info = Family(info_name, "GPU identity (value 1).", "gauge", identity_names + extra)
+    holders_family = Family(
         HOLDERS_METRIC,
         "Containers holding the GPU or MIG device (time-slicing/MPS: more than one).",
-        labels=names(LABELS, ours=True) + our_mig_names,
+        "gauge",
+        names(LABELS, ours=True) + our_mig_names,
     )
     join_names = names(JOIN_LABELS, ours=True)
-    allocation_info = GaugeMetricFamily(
+    allocation_info = Family(
         ALLOCATION_INFO,
         "One series (value 1) per container holding a GPU or MIG device; join on "
         "uuid and gpu_instance_id.",
-        labels=join_names + our_mig_names + holder_names,
+        "gauge",
+        join_names + our_mig_names + holder_names,
     )
     by_field = {f.key: _family(f, dcgm, series_names) for f in FIELDS}
     empty_holder = _holder_values(None, options) if per_holder else []
@@ -199,19 +182,18 @@ def build_families(
             sample = samples.get(uuid)
             if sample is None:
                 continue
+            # tuples, shared by every field's row: the writer formats each label set once
             if per_holder and held:
-                series = [[*values, *mig_values, *h] for h in held]
+                series = [(*values, *mig_values, *h) for h in held]
             else:
-                series = [[*values, *mig_values, *empty_holder]]
+                series = [(*values, *mig_values, *empty_holder)]
             for spec in FIELDS:
                 value = sample.values.get(spec.key)
                 if value is None:
                     continue
                 scaled = value * (spec.dcgm_scale if dcgm else spec.prom_scale)
-                family = by_field[spec.key]
-                for labels in series:
-                    family.add_metric(labels, scaled)
-    telemetry = [f for f in by_field.values() if f.samples]
+                by_field[spec.key].add_metrics(series, scaled)
+    telemetry = [f for f in by_field.values() if f.rows]
     return [info, holders_family, allocation_info, *telemetry]
 
 
@@ -228,7 +210,7 @@ def collect(
     options: RenderOptions | None = None,
     processes: ProcessView = PROCESSES_OFF,
     accounting: AccountingView = NO_ACCOUNTING,
-) -> list[Metric]:
+) -> list[Family]:
     """Every /gpu/metrics family of one collection, ready for either exposition format."""
     families = build_families(inventory, samples, naming, attribution, options)
     families += build_share_families(
@@ -246,13 +228,5 @@ def collect(
     return families
 
 
-def as_registry(families: list[Metric]) -> CollectorRegistry:
-    collected = CollectorRegistry(auto_describe=False)
-    collected.register(_Families(families))
-    return collected
-
-
-def expose(families: list[Metric], fmt: Format) -> bytes:
-    if fmt == "text":
-        return write_text(families)
-    return openmetrics.generate_latest(as_registry(families))  # type: ignore[no-untyped-call,no-any-return]
+def expose(families: list[Family], fmt: Format) -> bytes:
+    return write_text(families) if fmt == "text" else write_openmetrics(families)

@@ -13,9 +13,8 @@ non_fatal, fatal; a GPU whose driver does not report them has no series).
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from gpuid_agent.facts import NVLINK_COUNTERS, PCIE_AER_COUNTERS, NodeInventory
+from gpuid_agent.serving.exposition import Family
 from gpuid_agent.serving.metrics_fields import (
     DCGM_XID,
     HEALTH_STATE,
@@ -33,40 +32,45 @@ from gpuid_agent.state.health.verdicts import NodeHealth
 
 def build_health_families(
     inventory: NodeInventory, health: NodeHealth, naming: Naming
-) -> list[Metric]:
+) -> list[Family]:
     dcgm = naming == "dcgm"
     label_names = [p for p, _ in LABELS]  # gpuid_* families: snake_case in either naming
-    state = GaugeMetricFamily(
+    state = Family(
         HEALTH_STATE,
         "GPU health per check (and overall): 1 on the series of the current state and action.",
-        labels=[*label_names, "check", "state", "action"],
+        "gauge",
+        [*label_names, "check", "state", "action"],
     )
-    xids = CounterMetricFamily(
+    xids = Family(
         XID_ERRORS,
         "XID errors reported by the driver since the agent started, by code.",
-        labels=[*label_names, "xid"],
+        "counter",
+        [*label_names, "xid"],
     )
-    last_xid = GaugeMetricFamily(
-        DCGM_XID, "Value of the last XID error seen.", labels=[d for _, d in LABELS]
+    last_xid = Family(
+        DCGM_XID, "Value of the last XID error seen.", "gauge", [d for _, d in LABELS]
     )
-    nvlink_up = GaugeMetricFamily(
+    nvlink_up = Family(
         NVLINK_UP,
         "1 while the NVLink is active (GPUs with NVLink only).",
-        labels=[*label_names, "link"],
+        "gauge",
+        [*label_names, "link"],
     )
     # Summed over the GPU's links: 4 series per GPU rather than 72; the health check and
     # /status name the link whose counters grow.
-    nvlink_errors = CounterMetricFamily(
+    nvlink_errors = Family(
         NVLINK_ERRORS,
         "NVLink data-link errors since the driver loaded, over all links of the GPU, by "
         "counter (replay, recovery, crc_flit, crc_data).",
-        labels=[*label_names, "counter"],
+        "counter",
+        [*label_names, "counter"],
     )
-    aer = CounterMetricFamily(
+    aer = Family(
         PCIE_AER_ERRORS,
         "PCIe AER errors of the GPU's link since the driver loaded, by counter (correctable, "
         "non_fatal, fatal).",
-        labels=[*label_names, "counter"],
+        "counter",
+        [*label_names, "counter"],
     )
     by_uuid = inventory.gpu_by_uuid()
     for gpu_health in health.gpus:
@@ -92,14 +96,15 @@ def build_health_families(
             for kind, errors_seen in zip(PCIE_AER_COUNTERS, gpu_health.pcie_aer, strict=True):
                 if errors_seen is not None:
                     aer.add_metric([*values, kind], errors_seen)
-    node = GaugeMetricFamily(
+    node = Family(
         NODE_HEALTH_STATE,
         "Node-level GPU health checks: 1 on the series of the current state and action.",
-        labels=["hostname", "check", "state", "action"],
+        "gauge",
+        ["hostname", "check", "state", "action"],
     )
     for name, check in health.node_checks.items():
         node.add_metric([inventory.node, name, check.state, check.action], 1)
-    families: list[Metric] = [state, node, xids, nvlink_up, nvlink_errors, aer]
+    families: list[Family] = [state, node, xids, nvlink_up, nvlink_errors, aer]
     if dcgm:
         families.append(last_xid)
     return families

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
+from gpuid_agent.serving.exposition import Family
 from gpuid_agent.serving.metrics_fields import (
     ALLOCATION_STATE,
     HOLDER_LABELS,
@@ -69,7 +68,7 @@ def build_share_families(
     *,
     processes: ProcessView,
     options: RenderOptions,
-) -> list[Metric]:
+) -> list[Family]:
     dcgm = naming == "dcgm"
 
     def names(table: tuple[tuple[str, str], ...]) -> list[str]:
@@ -83,8 +82,8 @@ def build_share_families(
     holder_labels = [*device_names, *holder_names, "allocated"]
     reason_labels = [*device_names, "reason"]
 
-    def gauge(name: str, text: str, labels: list[str]) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, text, labels=labels)
+    def gauge(name: str, text: str, labels: list[str]) -> Family:
+        return Family(name, text, "gauge", labels)
 
     state = gauge(
         ALLOCATION_STATE,
@@ -92,7 +91,7 @@ def build_share_families(
         "unowned_busy (runs, no pod holds it), free; held / unowned when its use is unknown.",
         [*device_names, "state"],
     )
-    fam: dict[str, GaugeMetricFamily] = {
+    fam: dict[str, Family] = {
         HOLDER_MEMORY: gauge(
             HOLDER_MEMORY, "GPU memory used by a holder's processes.", holder_labels
         ),
@@ -124,11 +123,11 @@ def build_share_families(
                 state.add_metric([*device_values, s], 1 if s == current else 0)
             if shares is not None:
                 _add_shares(fam, device_values, shares, options)
-    return [state, *(f for f in fam.values() if f.samples)]
+    return [state, *(f for f in fam.values() if f.rows)]
 
 
 def _add_shares(
-    fam: dict[str, GaugeMetricFamily],
+    fam: dict[str, Family],
     device_values: list[str],
     shares: DeviceShares,
     options: RenderOptions,

@@ -1,4 +1,4 @@
-"""Prometheus metric families (what /gpu/metrics serves) to an OTLP `ExportMetricsServiceRequest`.
+"""The /gpu/metrics families to an OTLP `ExportMetricsServiceRequest`.
 
 Names, labels and values stay those of /gpu/metrics, so one query works on either path:
 gauges and info families become OTLP Gauges, counters cumulative monotonic Sums (named
@@ -8,14 +8,13 @@ point attributes (empty ones left out, as Prometheus treats them as absent).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
-from prometheus_client.metrics_core import Metric
 
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.otlp.attributes import SCOPE_NAME
@@ -24,17 +23,23 @@ from gpuid_agent.delivery.exporters.otlp.logs_encoding import add_attributes, ut
 _CUMULATIVE = AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 
 
-def _by_sample_name(family: Metric) -> dict[str, list[Any]]:
-    grouped: dict[str, list[Any]] = {}
-    for sample in family.samples:
-        if sample.name.endswith("_created"):
-            continue  # a counter's creation time: OTLP carries it as start_time_unix_nano
-        grouped.setdefault(sample.name, []).append(sample)
-    return grouped
+class MetricFamily(Protocol):
+    """What is read of a /gpu/metrics family: a counter's name is without `_total`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def help(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def labelnames(self) -> tuple[str, ...]: ...
+    @property
+    def rows(self) -> Sequence[tuple[tuple[str, ...], float]]: ...
 
 
 def encode_metrics(
-    families: Iterable[Metric],
+    families: Iterable[MetricFamily],
     resource: Mapping[str, str],
     time_unix_nano: int,
     start_time_unix_nano: int,
@@ -48,23 +53,24 @@ def encode_metrics(
     scope_metrics.scope.name = SCOPE_NAME
     scope_metrics.scope.version = __version__
     for family in families:
+        if not family.rows:
+            continue
         counter = family.type == "counter"
-        for name, samples in _by_sample_name(family).items():
-            metric = scope_metrics.metrics.add()
-            metric.name = name.removesuffix("_total") if counter else name
-            metric.description = utf8(family.documentation)
-            metric.unit = family.unit
+        metric = scope_metrics.metrics.add()
+        metric.name = family.name
+        metric.description = utf8(family.help)
+        if counter:
+            metric.sum.aggregation_temporality = _CUMULATIVE
+            metric.sum.is_monotonic = True
+            points = metric.sum.data_points
+        else:
+            points = metric.gauge.data_points
+        names = family.labelnames
+        for values, value in family.rows:
+            point = points.add()
+            point.time_unix_nano = time_unix_nano
             if counter:
-                metric.sum.aggregation_temporality = _CUMULATIVE
-                metric.sum.is_monotonic = True
-                points = metric.sum.data_points
-            else:
-                points = metric.gauge.data_points
-            for sample in samples:
-                point = points.add()
-                point.time_unix_nano = time_unix_nano
-                if counter:
-                    point.start_time_unix_nano = start_time_unix_nano
-                point.as_double = float(sample.value)
-                add_attributes(point.attributes, sample.labels)
+                point.start_time_unix_nano = start_time_unix_nano
+            point.as_double = float(value)
+            add_attributes(point.attributes, dict(zip(names, values, strict=True)))
     return request
