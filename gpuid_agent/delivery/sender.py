@@ -67,7 +67,7 @@ class Sender:
         self._metrics = metrics
         self._changed = changed  # after every store operation: gauges and health
         self._name = exporter.name
-        self._new_first = False  # whose turn it is: new batches, or a backlog from before
+        self._new_first = False  # new batches' turn: the last delivery was from the backlog
         self._deadline: float | None = None  # set at shutdown (`stop_by`)
         self._last_took = 0.0  # how long the last delivery took, retries included
 
@@ -263,9 +263,9 @@ class Sender:
     def _next_stored(self) -> StoredBatch | None:
         # New batches and a previous run's backlog take turns, so new records wait for one
         # backlog delivery at most, whatever its size.
-        self._new_first = not self._new_first
         batch = self._store.head(self._new_first)
         if batch is not None:
+            self._new_first = batch.backlog
             try:
                 self._store.prefetch_after(batch)
             except Exception as exc:  # read-ahead is an optimisation: the load reads again
