@@ -1,10 +1,12 @@
 """One exporter's sender: the oldest stored batch first, with retries, until the store is empty.
 
 A batch leaves the store only once delivered, so with the disk spool a crash or restart
-re-sends it. Consecutive batches kept in the exporter's stored form (or held as records in
-memory) go out joined, within the form's bounds, so a backlog drains in a few large
-deliveries; the next delivery's files are read while one is in flight. A batch the sink
-refuses (or that cannot be read back) is set aside, never sent again and never lost silently.
+re-sends it. A previous run's backlog and the batches stored since take turns, so new records
+wait for one backlog delivery at most. Consecutive batches go out joined, so a backlog drains
+in a few large deliveries: those kept in the exporter's stored form within the form's bounds,
+those kept as records (JSON-lines files, or held in memory) within the exporter's join limits;
+the next delivery's files are read while one is in flight. A batch the sink refuses (or that
+cannot be read back) is set aside, never sent again and never lost silently.
 """
 
 from __future__ import annotations
