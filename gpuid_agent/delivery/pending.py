@@ -10,7 +10,7 @@ a backlog, and each lane stays oldest first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -19,6 +19,9 @@ from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.records.types import AnyRecord
 
 JSON_LINES = "ndjson"
+# Backlog batches held as objects at a time (about 1 KB each): enough for the largest joined
+# delivery and the one read ahead, whatever the backlog's size.
+WINDOW = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -38,14 +41,33 @@ class Pending:
     """Batches by id, the backlog lane's oldest first, then the new lane's oldest first.
 
     A batch's count, size and whether it is held in memory must not change while it is
-    indexed (remove it, change it, add it again): the sums assume so."""
+    indexed (remove it, change it, add it again): the sums assume so. A backlog given by
+    `feed` is counted at once but taken into the backlog lane `WINDOW` batches at a time."""
 
     def __init__(self) -> None:
         self._backlog: OrderedDict[str, StoredBatch] = OrderedDict()
         self._new: OrderedDict[str, StoredBatch] = OrderedDict()
+        self._source: Iterator[StoredBatch] | None = None
+        self._unread = 0  # batches of the source not yet in the backlog lane
         self.records = 0
         self.memory_records = 0
         self.memory_bytes = 0
+
+    def feed(self, backlog: Iterable[StoredBatch], batches: int, records: int) -> None:
+        """Take a backlog of `batches` batches holding `records` records, oldest first."""
+        self._source = iter(backlog)
+        self._unread, self.records = batches, self.records + records
+        self._refill()
+
+    def _refill(self) -> None:
+        while self._source is not None and len(self._backlog) < WINDOW:
+            batch = next(self._source, None)
+            if batch is None:
+                self._source, self._unread = None, 0
+                break
+            self._unread -= 1
+            self.records -= batch.count  # counted since `feed`; `add` counts it again
+            self.add(batch)
 
     def _lane(self, batch: StoredBatch) -> OrderedDict[str, StoredBatch]:
         return self._backlog if batch.backlog else self._new
@@ -67,16 +89,19 @@ class Pending:
             if batch.records is not None:
                 self.memory_records -= batch.count
                 self.memory_bytes -= batch.size
+            if batch.backlog and len(self._backlog) < WINDOW // 2:
+                self._refill()
         return batch
 
     def __len__(self) -> int:
-        return len(self._backlog) + len(self._new)
+        return len(self._backlog) + self._unread + len(self._new)
 
     def __contains__(self, batch_id: str) -> bool:
         return batch_id in self._backlog or batch_id in self._new
 
     def values(self) -> Iterator[StoredBatch]:
-        """Every batch, the backlog's oldest first."""
+        """Every batch taken in, the backlog's oldest first (of a backlog fed, the window
+        taken so far: its oldest batches)."""
         return chain(self._backlog.values(), self._new.values())
 
     def oldest(self) -> StoredBatch | None:

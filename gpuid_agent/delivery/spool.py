@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from gpuid_agent.delivery.backlog import BacklogFiles
 from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
 from gpuid_agent.delivery.spool_files import REJECTED_DIR, Encoded, SpoolFiles
 from gpuid_agent.delivery.store import (
@@ -81,10 +82,9 @@ class DiskSpool(BatchStore):
         self._scan()
 
     def _scan(self) -> None:
-        for batch in self._files.index():
-            batch.backlog = True  # sent in turn with new batches, never ahead of all of them
-            self._pending.add(batch)
-            self._bytes += batch.size
+        backlog = BacklogFiles(self.directory)  # names and sizes; batches a window at a time
+        self._pending.feed(backlog, backlog.batches, backlog.records)
+        self._bytes += backlog.bytes
         for batch in self._files.index(rejected=True):
             self._rejected[batch.meta.batch_id] = batch
             self._bytes += batch.size

@@ -139,3 +139,20 @@ class SpoolFiles:
             except OSError as exc:
                 stuck.append((path, exc))
         return stuck
+
+
+def batch_named(directory: Path, name: str, size: int) -> StoredBatch | None:
+    """The batch a spool file's name describes (None for a name that is not a batch's)."""
+    match = _NAME.match(name)
+    if not match:
+        return None
+    created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
+    batch = StoredBatch(BatchMeta(match.group(2), created), int(match.group(3)), size=size)
+    batch.path, batch.form = directory / name, match.group(4)
+    return batch
+
+
+def names_count(name: str) -> int:
+    """The record count in a batch file's name (-1 for a name that is not a batch's)."""
+    match = _NAME.match(name)
+    return int(match.group(3)) if match else -1

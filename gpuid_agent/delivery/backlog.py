@@ -1,0 +1,48 @@
+"""A previous run's spool files, turned into batches a window at a time.
+
+After a long outage a spool may hold 100,000 files. At start only their names and sizes are
+read (names oldest first, sizes in an array: about 120 bytes a file); `Pending` takes batches
+from here as its backlog lane drains, so memory follows the window, not the backlog.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpuid_agent.delivery.pending import StoredBatch
+from gpuid_agent.delivery.spool_files import batch_named, names_count
+
+
+class BacklogFiles:
+    """The batch files in `directory` (regular files with a batch's name), oldest first;
+    hidden temporaries of writes interrupted before their rename are removed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        found: list[tuple[str, int]] = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                    Path(entry.path).unlink(missing_ok=True)
+                    continue
+                if names_count(entry.name) >= 0 and entry.is_file(follow_symlinks=False):
+                    found.append((entry.name, entry.stat(follow_symlinks=False).st_size))
+        found.sort()
+        self._names: deque[str] = deque(name for name, _ in found)
+        self._sizes = array("q", (size for _, size in found))
+        del found
+        self.batches = len(self._names)
+        self.records = sum(names_count(name) for name in self._names)
+        self.bytes = sum(self._sizes)
+
+    def __iter__(self) -> Iterator[StoredBatch]:
+        for size in self._sizes:
+            batch = batch_named(self.directory, self._names.popleft(), size)
+            if batch is not None:
+                batch.backlog = True
+                yield batch
+        self._sizes = array("q")
