@@ -11,7 +11,7 @@ lost or delivered twice. Goals (issue 19, at 100,000 files): drain ≤ 300 s, fi
 peak RSS ≤ 160 MiB, ≤ 1,000 HTTP requests, 0 lost, 0 duplicates.
 
 `python -m benchmarks spool_flood --flood-files=10000` runs only the 10,000-file case
-(default: 10,000 and 100,000).
+(default: 10,000 and 100,000); `--flood-sinks=otlp` one sink (default: http,otlp,postgres).
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ from tests.servers.receiver import Receiver
 BACKLOG_NODE = "flood-backlog"  # the backlog's records name this node; the agent's do not
 LIMIT_S = 900.0
 GOALS = {"drain": 300.0, "first_new": 30.0, "rss": 160.0, "requests": 1000}
+
+
+def _sinks() -> tuple[str, ...]:
+    for arg in sys.argv[1:]:
+        if arg.startswith("--flood-sinks="):
+            return tuple(arg.split("=", 1)[1].split(","))
+    return ("http", "otlp", "postgres")
 
 
 def _sizes() -> tuple[int, ...]:
@@ -236,7 +243,7 @@ async def run() -> list[Row]:
         await asyncio.to_thread(cluster.start)
     try:
         for n in _sizes():
-            for sink in ("http", "otlp", "postgres"):
+            for sink in _sinks():
                 with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
                     spool = Path(tmp) / "spool"
                     if sink == "http":

@@ -23,17 +23,23 @@ class BacklogFiles:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        found: list[tuple[str, int]] = []
+        found: list[str] = []  # names only: a (name, size) pair a file would double the peak
         with os.scandir(directory) as entries:
             for entry in entries:
                 if entry.name.startswith(".") and entry.name.endswith(".tmp"):
                     Path(entry.path).unlink(missing_ok=True)
-                    continue
-                if names_count(entry.name) >= 0 and entry.is_file(follow_symlinks=False):
-                    found.append((entry.name, entry.stat(follow_symlinks=False).st_size))
+                elif names_count(entry.name) >= 0 and entry.is_file(follow_symlinks=False):
+                    found.append(entry.name)
         found.sort()
-        self._names: deque[str] = deque(name for name, _ in found)
-        self._sizes = array("q", (size for _, size in found))
+        self._names: deque[str] = deque()
+        self._sizes = array("q")
+        for name in found:
+            try:
+                size = os.stat(os.path.join(directory, name), follow_symlinks=False).st_size
+            except OSError:
+                continue  # gone since the listing
+            self._names.append(name)
+            self._sizes.append(size)
         del found
         self.batches = len(self._names)
         self.records = sum(names_count(name) for name in self._names)
