@@ -34,7 +34,8 @@ def _print(rows: list[Row]) -> None:
 
 def main() -> int:
     rows: list[Row] = []
-    for name in _modules(sys.argv[1:]):
+    # Names select modules; `--option=value` arguments are read by the modules that take them.
+    for name in _modules([a for a in sys.argv[1:] if not a.startswith("--")]):
         module = importlib.import_module(f"benchmarks.{name}")
         print(f"running {name} …", file=sys.stderr, flush=True)
         rows.extend(asyncio.run(module.run()))

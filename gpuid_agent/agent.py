@@ -263,7 +263,7 @@ class Agent:
             if not await sup.wait(name, left()):
                 await sup.stop(name)
         for worker in self.pipeline.workers:
-            worker.close_intake()
+            worker.close_intake(stop_by=deadline)
         names = [f"exporter:{w.name}" for w in self.pipeline.workers]
         if not all(await asyncio.gather(*(sup.wait(n, left()) for n in names))):
             pending = sum(w.pending for w in self.pipeline.workers)

@@ -1,10 +1,12 @@
 """One exporter's sender: the oldest stored batch first, with retries, until the store is empty.
 
 A batch leaves the store only once delivered, so with the disk spool a crash or restart
-re-sends it. Consecutive batches kept in the exporter's stored form (or held as records in
-memory) go out joined, within the form's bounds, so a backlog drains in a few large
-deliveries; the next delivery's files are read while one is in flight. A batch the sink
-refuses (or that cannot be read back) is set aside, never sent again and never lost silently.
+re-sends it. A previous run's backlog and the batches stored since take turns, so new records
+wait for one backlog delivery at most. Consecutive batches go out joined, so a backlog drains
+in a few large deliveries: those kept in the exporter's stored form within the form's bounds,
+those kept as records (JSON-lines files, or held in memory) within the exporter's join limits;
+the next delivery's files are read while one is in flight. A batch the sink refuses (or that
+cannot be read back) is set aside, never sent again and never lost silently.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -19,7 +22,7 @@ from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter
 from gpuid_agent.delivery.health_keeper import HealthKeeper
 from gpuid_agent.delivery.intake import Intake
 from gpuid_agent.delivery.policy import BatchPolicy
-from gpuid_agent.delivery.store import BatchStore, StoredBatch, coalesce
+from gpuid_agent.delivery.store import JSON_LINES, BatchStore, StoredBatch, coalesce
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError, ExportError
@@ -33,6 +36,17 @@ class Outcome(enum.Enum):
     DELIVERED = "delivered"
     REJECTED = "rejected"  # the sink refused the content; re-sending cannot help
     FAILED = "failed"  # the sink is unreachable or erring; worth retrying later
+
+
+def joined_meta(group: Sequence[StoredBatch]) -> BatchMeta:
+    """A joined delivery's identity: derived from all its batches' ids, so a retry of the same
+    batches carries the same Idempotency-Key and a different set never reuses one."""
+    if len(group) == 1:
+        return group[0].meta
+    digest = hashlib.blake2b(digest_size=16)
+    for batch in group:
+        digest.update(batch.meta.batch_id.encode())
+    return BatchMeta(digest.hexdigest(), group[0].meta.created)
 
 
 class Sender:
@@ -55,6 +69,9 @@ class Sender:
         self._metrics = metrics
         self._changed = changed  # after every store operation: gauges and health
         self._name = exporter.name
+        self._new_first = False  # new batches' turn: the last delivery was from the backlog
+        self._deadline: float | None = None  # set at shutdown (`stop_by`)
+        self._last_took = 0.0  # how long the last delivery took, retries included
 
     def pause(self, attempt: int) -> float:
         """The backoff before retry `attempt`, never shorter than the sink's Retry-After."""
@@ -122,26 +139,34 @@ class Sender:
                 if outcome is Outcome.FAILED:
                     return outcome
             return outcome
-        if form is not None and batch.records is not None:
-            group = coalesce(store, batch, form)
+        limits = self._exporter.joins or (form if batch.records is not None else None)
+        if limits is not None and (batch.records is not None or batch.form == JSON_LINES):
+            group = coalesce(store, batch, limits)
             if len(group) > 1:
-                return await self._send_held(group)
+                after = next(store.following(group[-1]), None)
+                if after is not None and after.records is None and after.form == JSON_LINES:
+                    store.prefetch_stored(coalesce(store, after, limits))
+                return await self._send_joined(group)
         return await self._send_records(batch)
 
-    async def _send_held(self, group: list[StoredBatch]) -> Outcome:
-        """Batches held in memory as records (no spool, or an unwritable one), joined."""
+    async def _send_joined(self, group: list[StoredBatch]) -> Outcome:
+        """Batches kept as records (JSON-lines files, or held in memory), as one delivery."""
         for batch in group:
             batch.in_flight = True
         try:
-            records = [r for batch in group for r in batch.records or []]
-            outcome = await self.deliver(records, group[0].meta)
-            if outcome is Outcome.DELIVERED:
-                await self._delivered(*group)
+            try:
+                records = await self._store.load_joined(group)
+            except CorruptBatchError:
+                outcome = Outcome.REJECTED  # found below, one by one
+            else:
+                outcome = await self.deliver(records, joined_meta(group))
+                if outcome is Outcome.DELIVERED:
+                    await self._delivered(*group)
         finally:
             for batch in group:
                 batch.in_flight = False
             self._store_changed()
-        if outcome is Outcome.REJECTED:  # find the one the sink refuses
+        if outcome is Outcome.REJECTED:  # find the one the sink refuses, or that is unreadable
             for single in group:
                 outcome = await self._send_records(single)
                 if outcome is Outcome.FAILED:
@@ -238,26 +263,49 @@ class Sender:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _next_stored(self) -> StoredBatch | None:
-        batch = self._store.oldest()
+        # New batches and a previous run's backlog take turns, so new records wait for one
+        # backlog delivery at most, whatever its size.
+        batch = self._store.head(self._new_first)
         if batch is not None:
+            self._new_first = batch.backlog
             try:
                 self._store.prefetch_after(batch)
             except Exception as exc:  # read-ahead is an optimisation: the load reads again
                 self._keeper.store_failed("read-ahead", exc)
         return batch
 
+    def stop_by(self, deadline: float) -> None:
+        """Shutting down: start no delivery that may not end by `deadline` (monotonic) while
+        what is left is on disk; it stays in the spool, whole, for the next start."""
+        self._deadline = deadline
+
+    def _out_of_time(self) -> bool:
+        """Whether to leave the rest in the spool now: closing, everything stored, none of
+        it only in memory, and too little time left for another delivery."""
+        if self._deadline is None or not self._intake.finished or not self._store.durable:
+            return False
+        if self._store.memory_records:
+            return False
+        room = self._deadline - time.monotonic()
+        return room < max(1.0, 2 * self._last_took)
+
     async def run(self) -> None:
         """Send until the intake has finished and the store is empty, or until the sink
-        fails while the intake is closing."""
+        fails while the intake is closing, or shutdown's time is up (`stop_by`)."""
         cycle = 0
         while True:
+            if self._out_of_time():
+                self.left_behind()
+                return
             batch = self._next_stored()
             if batch is None:
                 if self._intake.finished:
                     return
                 await self._intake.wait_stored()
                 continue
+            started = time.monotonic()
             outcome = await self._send(batch)
+            self._last_took = time.monotonic() - started
             if outcome is not Outcome.FAILED:
                 cycle = 0
                 continue

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from gpuid_agent.delivery.backlog import BacklogFiles
 from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
 from gpuid_agent.delivery.spool_files import REJECTED_DIR, Encoded, SpoolFiles
 from gpuid_agent.delivery.store import (
@@ -75,15 +77,16 @@ class DiskSpool(BatchStore):
         # read-ahead of at most the batch being sent and the one after it, by batch id
         self._prefetched: dict[str, asyncio.Task[list[AnyRecord]]] = {}
         self._unlinking: asyncio.Future[None] | None = None
-        # read-ahead of the next coalesced delivery: its batch ids and the read
-        self._ahead: tuple[tuple[str, ...], asyncio.Future[list[Encoded]]] | None = None
+        # read-ahead of the next joined delivery: its batch ids and the read (files, or records)
+        self._ahead: tuple[tuple[str, ...], asyncio.Future[Any]] | None = None
         self._scan()
 
     def _scan(self) -> None:
-        for batch in self._files.index():
-            self._pending[batch.meta.batch_id] = batch
-            self._bytes += batch.size
-        for batch in self._files.index(rejected=True):
+        # names and sizes; batches a window at a time (odd entries go to `rejected/` first)
+        backlog = BacklogFiles(self.directory, self._files.set_aside_odd)
+        self._pending.feed(backlog, backlog.batches, backlog.records)
+        self._bytes += backlog.bytes
+        for batch in self._files.index_rejected():
             self._rejected[batch.meta.batch_id] = batch
             self._bytes += batch.size
         if self._pending:
@@ -148,13 +151,13 @@ class DiskSpool(BatchStore):
             batch.form = JSON_LINES
             self._failed(exc, "write")
             batch.records = records  # kept in memory, within the memory bound
-            self._pending[batch.meta.batch_id] = batch
+            self._pending.add(batch)
             return trim_memory(
                 self._pending, batch, self.memory_limit, self.max_bytes, "spool_unwritable"
             )
         batch.path = self.directory / name
         self._bytes += batch.size
-        self._pending[batch.meta.batch_id] = batch
+        self._pending.add(batch)
         if self._problem is not None or self._orphans:
             await self._recovered()
         return await self._trim(keep=batch)
@@ -199,7 +202,7 @@ class DiskSpool(BatchStore):
                 )
                 if victim is None:
                     break  # only the newest (or in-flight) batch is left: keep it
-                del self._pending[victim.meta.batch_id]
+                self._pending.pop(victim.meta.batch_id)
             victim.dropped_for = "spool_full"
             dropped.append(victim)
             await self._unlink(victim)
@@ -225,28 +228,53 @@ class DiskSpool(BatchStore):
         key = tuple(b.meta.batch_id for b in batches)
         if not key or (self._ahead is not None and self._ahead[0] == key):
             return
-        try:
-            paths = _stored_paths(batches)
-        except CorruptBatchError:
-            return  # the load reports it
-        task = asyncio.ensure_future(asyncio.to_thread(self._files.read, paths))
-        task.add_done_callback(_consume_exception)
-        self._ahead = (key, task)
+        if all(b.records is None and b.path is not None for b in batches):
+            read: Callable[[], list[Any]]
+            if all(b.form == JSON_LINES for b in batches):
+                read = partial(self._read_joined, list(batches))
+            elif all(b.form != JSON_LINES for b in batches):
+                read = partial(self._files.read, _stored_paths(batches))
+            else:
+                return
+            task = asyncio.ensure_future(asyncio.to_thread(read))
+            task.add_done_callback(_consume_exception)
+            self._ahead = (key, task)
 
-    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+    def _taken_ahead(self, batches: Sequence[StoredBatch]) -> asyncio.Future[Any] | None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == tuple(b.meta.batch_id for b in batches):
-            return await ahead[1]
+            return ahead[1]
+        return None
+
+    async def load_stored(self, batches: Sequence[StoredBatch]) -> list[Encoded]:
+        ahead = self._taken_ahead(batches)
+        if ahead is not None:
+            files: list[Encoded] = await ahead
+            return files
         return await asyncio.to_thread(self._files.read, _stored_paths(batches))
+
+    async def load_joined(self, batches: Sequence[StoredBatch]) -> list[AnyRecord]:
+        if all(b.records is not None for b in batches):
+            return [r for b in batches for r in b.records or []]
+        ahead = self._taken_ahead(batches)
+        if ahead is not None:
+            records: list[AnyRecord] = await ahead
+            return records
+        return await asyncio.to_thread(self._read_joined, list(batches))
+
+    def _read_joined(self, batches: list[StoredBatch]) -> list[AnyRecord]:
+        """The records of JSON-lines batch files, in order (one worker-thread hop for all)."""
+        records: list[AnyRecord] = []
+        for batch in batches:
+            if batch.path is None or batch.form != JSON_LINES:
+                raise CorruptBatchError("batch is not a JSON-lines file")
+            records += self._files.read_records(batch.path, batch.count)
+        return records
 
     def prefetch_after(self, batch: StoredBatch) -> None:
         # A backlog drains at the sink's speed only if the next file is decoded while the
         # current batch is in flight, not after it.
-        ids = iter(self._pending)
-        for batch_id in ids:
-            if batch_id == batch.meta.batch_id:
-                break
-        following = self._pending.get(next(ids, ""))
+        following = next(self.following(batch), None)
         keep = {batch.meta.batch_id, following.meta.batch_id if following else ""}
         for stale in [k for k in self._prefetched if k not in keep]:
             self._drop_prefetch(stale)

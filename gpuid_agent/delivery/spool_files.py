@@ -24,7 +24,7 @@ from gpuid_agent.records.serialize import from_json_lines
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import CorruptBatchError, RefusedFileError, WireError
-from gpuid_agent.runtime.regular_file import check_regular, read_regular_file
+from gpuid_agent.runtime.regular_file import read_regular_file
 
 REJECTED_DIR = "rejected"
 # Twice the largest batch the agent writes (BATCH_SIZE's bound, 100,000 records of ~600 bytes)
@@ -61,11 +61,12 @@ class SpoolFiles:
         detail = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
         return f"spool {self.directory}: {detail}"
 
-    def index(self, rejected: bool = False) -> list[StoredBatch]:
-        """The batches whose files are in the spool (or in `rejected/`), oldest first;
-        hidden temporary files of writes interrupted before their rename are removed."""
+    def index_rejected(self) -> list[StoredBatch]:
+        """The batches whose files are in `rejected/`, oldest first; hidden temporary files of
+        writes interrupted before their rename are removed. (The spool's own directory is read
+        a window at a time: `backlog.BacklogFiles`.)"""
         found: list[StoredBatch] = []
-        for entry in sorted((self.rejected if rejected else self.directory).iterdir()):
+        for entry in sorted(self.rejected.iterdir()):
             if entry.name.endswith(".tmp") and entry.name.startswith("."):
                 with contextlib.suppress(OSError):  # a directory so named stays, ignored
                     entry.unlink(missing_ok=True)
@@ -76,12 +77,6 @@ class SpoolFiles:
             info = entry.lstat()  # a symlink is a batch's entry, never followed
             if stat.S_ISDIR(info.st_mode):
                 continue
-            if not rejected:
-                try:
-                    check_regular(info.st_mode, info.st_size, MAX_BATCH_FILE_BYTES, entry.name)
-                except RefusedFileError as exc:
-                    self._set_aside_odd(entry, exc)  # indexed with `rejected/` next
-                    continue
             created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
             meta = BatchMeta(match.group(2), created)
             size = info.st_size
@@ -90,9 +85,10 @@ class SpoolFiles:
             found.append(batch)
         return found
 
-    def _set_aside_odd(self, entry: Path, exc: RefusedFileError) -> None:
+    def set_aside_odd(self, entry: Path, exc: RefusedFileError) -> None:
         """Move an entry no batch file can be (a FIFO, a symlink, a device, a file over the
-        bound) into `rejected/` unopened, where the spool's bound removes it first."""
+        bound) into `rejected/` unopened, where the spool's bound removes it first (it is
+        indexed with `rejected/` next)."""
         extra = {"spool": str(self.directory), "file": entry.name, "error": str(exc)}
         try:
             self.move_to_rejected(entry)
@@ -168,3 +164,20 @@ def _read_batch_file(path: Path) -> Encoded:
         return read_regular_file(path, MAX_BATCH_FILE_BYTES)
     except (OSError, RefusedFileError) as exc:
         raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
+
+
+def batch_named(directory: Path, name: str, size: int) -> StoredBatch | None:
+    """The batch a spool file's name describes (None for a name that is not a batch's)."""
+    match = _NAME.match(name)
+    if not match:
+        return None
+    created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
+    batch = StoredBatch(BatchMeta(match.group(2), created), int(match.group(3)), size=size)
+    batch.path, batch.form = directory / name, match.group(4)
+    return batch
+
+
+def names_count(name: str) -> int:
+    """The record count in a batch file's name (-1 for a name that is not a batch's)."""
+    match = _NAME.match(name)
+    return int(match.group(3)) if match else -1

@@ -9,28 +9,14 @@ one broken disk degrades one exporter instead of stopping it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
+from gpuid_agent.delivery.exporters.base import BatchMeta, JoinLimits, StoredForm
+from gpuid_agent.delivery.pending import JSON_LINES, Pending, StoredBatch
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import CorruptBatchError
 
-JSON_LINES = "ndjson"
-
-
-@dataclass(slots=True, eq=False)
-class StoredBatch:
-    meta: BatchMeta
-    count: int
-    size: int = 0  # bytes of its file, or of its encoded payload while held in memory
-    records: list[AnyRecord] | None = None  # in memory (memory store, or a failed disk write)
-    path: Path | None = None
-    in_flight: bool = False
-    dropped_for: str = ""  # why the store dropped it, once it did
-    form: str = JSON_LINES  # how its file holds it: JSON lines, or the exporter's stored form
+__all__ = ["JSON_LINES", "BatchStore", "MemoryBatches", "StoredBatch", "coalesce", "trim_memory"]
 
 
 class BatchStore(ABC):
@@ -39,7 +25,7 @@ class BatchStore(ABC):
     durable = False
 
     def __init__(self) -> None:
-        self._pending: OrderedDict[str, StoredBatch] = OrderedDict()
+        self._pending = Pending()
 
     @abstractmethod
     async def add(self, records: list[AnyRecord]) -> list[StoredBatch]:
@@ -68,23 +54,27 @@ class BatchStore(ABC):
     def forget(self, batch: StoredBatch) -> None:
         """Stop tracking a batch whatever became of its storage (delivered, or unreadable),
         so this process does not send it again."""
-        self._pending.pop(batch.meta.batch_id, None)
+        self._pending.pop(batch.meta.batch_id)
 
     def oldest(self) -> StoredBatch | None:
-        return next(iter(self._pending.values()), None)
+        return self._pending.oldest()
+
+    def head(self, new_first: bool) -> StoredBatch | None:
+        """The next batch to send: with `new_first`, the oldest of those stored by this
+        process, if any; else the oldest of all (a previous run's backlog first)."""
+        return self._pending.head(new_first)
 
     def following(self, batch: StoredBatch) -> Iterator[StoredBatch]:
-        """The batches queued after `batch`, oldest first."""
-        found = False
-        for candidate in self._pending.values():
-            if found:
-                yield candidate
-            elif candidate is batch:
-                found = True
+        """The batches queued after `batch` in its lane, oldest first."""
+        return self._pending.following(batch)
 
     def prefetch_stored(self, batches: Sequence[StoredBatch]) -> None:
         """Start reading the next delivery's files while the current one is in flight."""
         return None
+
+    async def load_joined(self, batches: Sequence[StoredBatch]) -> list[AnyRecord]:
+        """The records of consecutive batches, in order, for one joined delivery."""
+        return [record for batch in batches for record in await self.load(batch)]
 
     async def load_stored(self, batches: Sequence[StoredBatch]) -> list[bytes]:
         """The files of batches kept in an exporter's stored form, as written."""
@@ -109,12 +99,12 @@ class BatchStore(ABC):
 
     @property
     def records(self) -> int:
-        return sum(b.count for b in self._pending.values())
+        return self._pending.records
 
     @property
     def memory_records(self) -> int:
         """Records held in process memory (all of them for a memory store)."""
-        return sum(b.count for b in self._pending.values() if b.records is not None)
+        return self._pending.memory_records
 
     @property
     def bytes(self) -> int:
@@ -136,7 +126,7 @@ class MemoryBatches(BatchStore):
 
     async def add(self, records: list[AnyRecord]) -> list[StoredBatch]:
         batch = StoredBatch(BatchMeta.new(), len(records), records=records)
-        self._pending[batch.meta.batch_id] = batch
+        self._pending.add(batch)
         return trim_memory(self._pending, batch, self.max_records, None, "buffer_full")
 
     async def load(self, batch: StoredBatch) -> list[AnyRecord]:
@@ -150,9 +140,12 @@ class MemoryBatches(BatchStore):
         return False, []
 
 
-def coalesce(store: BatchStore, first: StoredBatch, form: StoredForm) -> list[StoredBatch]:
-    """`first` and the batches queued right after it in the same form (stored-form files, or
-    records held in memory), within the form's bounds: what one delivery takes from a backlog."""
+def coalesce(
+    store: BatchStore, first: StoredBatch, limits: StoredForm | JoinLimits
+) -> list[StoredBatch]:
+    """`first` and the batches queued right after it in the same form (stored-form files,
+    JSON-lines files, or records held in memory), within `limits`: what one delivery takes
+    from a backlog."""
     group, records, size = [first], first.count, first.size
     in_memory = first.records is not None  # batches held as records join records only
     for batch in store.following(first):
@@ -162,8 +155,8 @@ def coalesce(store: BatchStore, first: StoredBatch, form: StoredForm) -> list[St
             batch.form != first.form
             or (batch.records is not None) != in_memory
             or batch.in_flight
-            or records > form.max_records
-            or size > form.max_bytes
+            or records > limits.max_records
+            or size > limits.max_bytes
         ):
             break
         group.append(batch)
@@ -171,7 +164,7 @@ def coalesce(store: BatchStore, first: StoredBatch, form: StoredForm) -> list[St
 
 
 def trim_memory(
-    pending: OrderedDict[str, StoredBatch],
+    pending: Pending,
     keep: StoredBatch,
     max_records: int,
     max_bytes: int | None,
@@ -179,18 +172,20 @@ def trim_memory(
 ) -> list[StoredBatch]:
     """Drop the oldest batches held in memory (never `keep` nor one in flight) until those
     left hold at most `max_records` records and `max_bytes` bytes of payload."""
-    held = [b for b in pending.values() if b.records is not None]
-    records = sum(b.count for b in held)
-    size = sum(b.size for b in held)
     dropped: list[StoredBatch] = []
-    for candidate in held:
-        if records <= max_records and (max_bytes is None or size <= max_bytes):
+
+    def over() -> bool:
+        held = pending.memory_records
+        return held > max_records or (max_bytes is not None and pending.memory_bytes > max_bytes)
+
+    if not over():
+        return dropped
+    for candidate in [b for b in pending.values() if b.records is not None]:
+        if not over():
             break
         if candidate is keep or candidate.in_flight:
             continue
-        del pending[candidate.meta.batch_id]
-        records -= candidate.count
-        size -= candidate.size
+        pending.pop(candidate.meta.batch_id)
         candidate.dropped_for = reason
         dropped.append(candidate)
     return dropped

@@ -92,8 +92,12 @@ class ExporterWorker:
         """Store `records` now, after whatever was put before them (see `Intake.store_now`)."""
         await self._intake.store_now(records)
 
-    def close_intake(self) -> None:
-        """No more records will come: flush what is queued without waiting for a full batch."""
+    def close_intake(self, stop_by: float | None = None) -> None:
+        """No more records will come: flush what is queued without waiting for a full batch.
+        With `stop_by` (monotonic), a spool's sender starts no delivery it may not finish by
+        then: what is left stays in the spool, never half-sent."""
+        if stop_by is not None:
+            self._sender.stop_by(stop_by)
         self._intake.close()
 
     # ---- records out -------------------------------------------------------------------------

@@ -66,6 +66,17 @@ class StoredForm:
     max_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class JoinLimits:
+    """How much of a backlog one `export` call may carry: consecutive stored batches kept as
+    records (JSON-lines spool files, or batches held in memory) go out joined as one batch, up
+    to `max_records` records and `max_bytes` bytes of stored batches. The request is the
+    exporter's usual one, only larger."""
+
+    max_records: int
+    max_bytes: int
+
+
 class Exporter(ABC):
     """Delivers batches to one sink.
 
@@ -76,6 +87,7 @@ class Exporter(ABC):
 
     name: str
     stored_form: StoredForm | None = None
+    joins: JoinLimits | None = None  # None: every stored batch is its own delivery
 
     @abstractmethod
     async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None: ...

@@ -19,7 +19,7 @@ import gzip
 import os
 from collections.abc import Sequence
 
-from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth
+from gpuid_agent.delivery.exporters.base import BatchMeta, Exporter, ExporterHealth, JoinLimits
 from gpuid_agent.delivery.exporters.transport import HttpTransport, Refusals
 from gpuid_agent.records.serialize import gpuid_shape, json_bytes, to_wire
 from gpuid_agent.records.types import AnyRecord
@@ -63,6 +63,9 @@ class TokenSource:
 
 class HttpExporter(Exporter):
     name = "http"
+    # A backlog goes out up to 1,000 records a request; 768 KiB of spooled JSON lines make a
+    # body under 1 MiB, the smallest limit common receivers set (aiohttp's default).
+    joins = JoinLimits(1_000, 768 * 1024)
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from gpuid_agent.delivery.exporters.base import (
     BatchMeta,
     Exporter,
     ExporterHealth,
+    JoinLimits,
     excerpt,
 )
 from gpuid_agent.delivery.exporters.otlp.endpoint import OtlpEndpoint
@@ -41,6 +42,9 @@ _log = log.get("otlp")
 
 class OtlpExporter(Exporter):
     name = "otlp"
+    # A backlog goes out up to 1,000 records a request (about 0.5 MB of protobuf for
+    # readings, well under the request limits collectors set by default).
+    joins = JoinLimits(1_000, 4 * 1024 * 1024)
 
     def __init__(
         self,
