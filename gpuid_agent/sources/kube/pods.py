@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
@@ -105,7 +104,6 @@ class PodCache:
         self.registry = self._metrics.registry
         self._timeout = timeout
         self._client: KubeClient | None = None
-        self._core: Any = None  # CoreV1Api and the owner walker over the client, from run()
         self._owners: OwnerResolver | None = None
         self._follow = ListWatch(
             "pod",
@@ -178,16 +176,16 @@ class PodCache:
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
-        self._core = k8s.CoreV1Api(self._client.api)
         self._owners = OwnerResolver(
-            self._client.api, timeout=min(self._timeout, 5.0), metrics=self._metrics
+            self._client, timeout=min(self._timeout, 5.0), metrics=self._metrics
         )
         await self._follow.run()
 
     # ---- what the list+watch loop hands over -----------------------------------------------
 
     async def relist(self, lister: ListWatch) -> str:
-        listed = await lister.list(self._core.list_pod_for_all_namespaces)
+        assert self._client is not None
+        listed = await lister.list(self._client, "/api/v1/pods")
         self._metrics.pod_cache_relists.inc()
         items = listed.get("items") if isinstance(listed, Mapping) else None
         if not isinstance(items, list):
