@@ -105,11 +105,14 @@ def _install() -> None:
 def load() -> Library:
     """kubernetes_asyncio's configuration, loaders and ApiClient (imported on first call)."""
     _install()
-    api_client = importlib.import_module(f"{_ROOT}.client.api_client")
-    configuration = importlib.import_module(f"{_ROOT}.client.configuration")
-    exception = importlib.import_module(f"{_ROOT}.config.config_exception")
-    incluster = importlib.import_module(f"{_ROOT}.config.incluster_config")
-    kube_config = importlib.import_module(f"{_ROOT}.config.kube_config")
+    # `import … as` (not `from … import`, which would ask the deferred package for the name
+    # first, nor importlib) so that `python -X importtime` lists these too
+    import kubernetes_asyncio.client.api_client as api_client  # noqa: PLR0402
+    import kubernetes_asyncio.client.configuration as configuration  # noqa: PLR0402
+    import kubernetes_asyncio.config.config_exception as exception
+    import kubernetes_asyncio.config.incluster_config as incluster
+    import kubernetes_asyncio.config.kube_config as kube_config  # noqa: PLR0402
+
     return Library(
         ApiClient=api_client.ApiClient,
         Configuration=configuration.Configuration,
