@@ -61,6 +61,12 @@ class PodDirectory(Protocol):
         """True once the first list is in (or the API is known to be out of reach)."""
         ...
 
+    @property
+    def revision(self) -> object:
+        """Equal between two reads only if `lookup` answers the same in between (attribution
+        is recomputed when it moves)."""
+        ...
+
 
 _STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
 
@@ -119,6 +125,7 @@ class PodCache:
         self._deleted: dict[tuple[str, str], tuple[PodMeta, float]] = {}
         self._by_uid: dict[str, PodMeta] | None = None  # from the two above; None: rebuild
         self._ready = False
+        self._changes = 0
         self.last_error: str | None = None
 
     # ---- what consumers read ---------------------------------------------------------------
@@ -144,6 +151,17 @@ class PodCache:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def revision(self) -> object:
+        # a tombstone that runs out changes `lookup` with no event: count the live ones
+        now = time.monotonic()
+        live = sum(1 for _, until in self._deleted.values() if until > now)
+        return (self._changes, live)
+
+    def _changed(self) -> None:
+        self._changes += 1
+        self.changed.set()
 
     @property
     def resource_version(self) -> str | None:
@@ -172,7 +190,7 @@ class PodCache:
         self.last_error = reason
         self.board.set(COMPONENT, "unavailable", f"{reason}; pods attributed from the kubelet")
         self._ready = True
-        self.changed.set()
+        self._changed()
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
@@ -206,7 +224,7 @@ class PodCache:
         self._ready = True
         self.last_error = None
         self.board.set(COMPONENT, "ok")
-        self.changed.set()
+        self._changed()
         return list_version(listed)
 
     async def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -216,7 +234,7 @@ class PodCache:
                 self.malformed("pod DELETED event without a name and namespace")
             else:
                 self._tombstone(gone)
-                self.changed.set()
+                self._changed()
             return
         meta = await self._meta(obj)
         if meta is None:
@@ -225,7 +243,7 @@ class PodCache:
             self._pods[key] = meta
             self._by_uid = None
             self._deleted.pop(key, None)
-            self.changed.set()
+            self._changed()
 
     def synced(self) -> None:
         self.board.set(COMPONENT, "ok")

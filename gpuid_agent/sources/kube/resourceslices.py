@@ -134,6 +134,7 @@ class ResourceSliceCache:
         self.version: str | None = None
         self._origin: str | None = None  # slices not from the API (a simulated node)
         self.last_error: str | None = None
+        self._changes = 0
 
     # ---- what consumers read ---------------------------------------------------------------
 
@@ -145,6 +146,11 @@ class ResourceSliceCache:
 
     def lookup(self, driver: str, pool: str, device: str) -> SliceDevice | None:
         return self._index.get((driver, pool, device))
+
+    @property
+    def revision(self) -> int:
+        """Moves whenever `available` or a `lookup` answer may have changed."""
+        return self._changes
 
     def devices(self) -> tuple[SliceDevice, ...]:
         """Every device of the pools' newest generations."""
@@ -247,6 +253,7 @@ class ResourceSliceCache:
     def _set_available(self, available: bool) -> None:
         if available != self._available:
             self._available = available
+            self._changes += 1
             self.changed.set()
 
     def _replace(self, items: Any, source: str) -> None:
@@ -286,4 +293,5 @@ class ResourceSliceCache:
         }
         if index != self._index:
             self._index = index
+            self._changes += 1
             self.changed.set()
