@@ -153,9 +153,13 @@ class AllocationTrail(Emitter):
             identity.node, state_dir, stamp=lambda: rfc3339(self._clock())
         )
         self._latest: tuple[Attribution, NodeInventory] | None = None
+        self._taken: Attribution | None = None  # the last attribution diffed in full
 
     def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
-        """Records owed for this attribution (ends, then starts); updates the open set."""
+        """Records owed for this attribution (ends, then starts); updates the open set. The
+        attribution last taken in full owes nothing more (it is kept while unchanged)."""
+        if attribution is self._taken:
+            return []
         changes = self.allocations.update(attribution)
         if changes is None:
             return []
@@ -165,6 +169,7 @@ class AllocationTrail(Emitter):
             start = start_record(self.identity, started, inventory, now)
             self.allocations.opened(started.key, to_wire(start))
             records.append(start)
+        self._taken = attribution
         return records
 
     def note(self, snapshot: NodeSnapshot) -> None:
