@@ -6,7 +6,9 @@ measured in the same run and the goal.
   classes; its config/auth with the agent's own JSON requests, the one used).
 - RSS at ready and after a soak (BENCH_SOAK_SECONDS, default 60; the goal is for an hour) at
   the chart's defaults (stdout exporter, labels on, the API on: a fake API server) and with
-  KUBE_API=off. Floor: a process importing the same agent modules and doing nothing.
+  KUBE_API=off. Floor: a process importing the same agent modules and doing nothing. The
+  kubelet serving the simulated node's pods runs in a process of its own, as on a real node
+  (`--simulate` alone serves them from inside the agent).
 - CPU over the soak (defaults) and over BENCH_CPU_SECONDS (default 60) at COLLECT_INTERVAL=1s,
   scraped like Prometheus every 30 s. Floor: an idle asyncio loop, over the same window.
 - /healthz p99 at 10 s and 1 s collection with 1,024 pods from a real gRPC kubelet in a
@@ -269,9 +271,9 @@ async def _healthz_with_kubelet(interval: str, socket: str) -> list[float]:
         stop(agent)
 
 
-def _start_kubelet(socket: str) -> subprocess.Popen[str]:
+def _start_kubelet(socket: str, pods: int) -> subprocess.Popen[str]:
     kubelet = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.kubelet_server", socket, NODE, str(PODS)],
+        [sys.executable, "-m", "benchmarks.kubelet_server", socket, NODE, str(pods)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -284,7 +286,7 @@ def _start_kubelet(socket: str) -> subprocess.Popen[str]:
 async def healthz_rows() -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         socket = str(Path(tmp) / "kubelet.sock")
-        kubelet = _start_kubelet(socket)
+        kubelet = _start_kubelet(socket, PODS)
         try:
             port = free_port()
             floor_proc = _python(_HEALTHZ_FLOOR, str(port))
@@ -312,13 +314,21 @@ async def healthz_rows() -> list[Row]:
 async def run() -> list[Row]:
     rows = client_options()
     with tempfile.TemporaryDirectory() as tmp:
-        async with FakeKube() as kube:
-            kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE})
-            api = {"KUBECONFIG": str(write_kubeconfig(Path(tmp) / "kc", kube.url))}
-            api |= {"KUBE_API": "auto", "LABELS": "on"}
-            os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-            rows += await _soak(api, "chart defaults", "<= 100 MiB", "<= 110 MiB after 1 h")
-            rows += await _soak({"KUBE_API": "off"}, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
-            rows.append(await _cpu_at_1s(api))
+        # the simulated node's own pods, served from a process of its own as on a real node
+        socket = str(Path(tmp) / "kubelet.sock")
+        kubelet = _start_kubelet(socket, 0)
+        try:
+            async with FakeKube() as kube:
+                kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE})
+                api = {"KUBECONFIG": str(write_kubeconfig(Path(tmp) / "kc", kube.url))}
+                api |= {"KUBE_API": "auto", "LABELS": "on", "POD_RESOURCES_SOCKET": socket}
+                os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+                rows += await _soak(api, "chart defaults", "<= 100 MiB", "<= 110 MiB after 1 h")
+                off = {"KUBE_API": "off", "POD_RESOURCES_SOCKET": socket}
+                rows += await _soak(off, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
+                rows.append(await _cpu_at_1s(api))
+        finally:
+            kubelet.terminate()
+            kubelet.wait(10)
     rows += await healthz_rows()
     return rows

@@ -1,6 +1,8 @@
-"""A kubelet pod-resources server in a process of its own, for benchmarks that must not share
-their event loop with it: `python -m benchmarks.kubelet_server SOCKET NODE PODS` serves PODS
-pods time-sharing the 8 GPUs of the simulated h100x8 node NODE until terminated."""
+"""A kubelet pod-resources server in a process of its own, as on a real node (a simulated node's
+own kubelet runs inside the agent, its CPU counted as the agent's):
+`python -m benchmarks.kubelet_server SOCKET NODE PODS` serves PODS pods time-sharing the 8 GPUs
+of the simulated h100x8 node NODE (PODS 0: the pods the simulated node itself serves) until
+terminated."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import signal
 import sys
 
-from gpuid_agent.simulate.kubelet import FakeKubelet, KubeletPod, pod
+from gpuid_agent.simulate.kubelet import FakeKubelet, KubeletPod, pod, simulated_pods
 from gpuid_agent.simulate.profiles import PROFILES
 
 RESOURCE = "nvidia.com/gpu"
@@ -32,7 +34,8 @@ def shared_pods(
 
 
 async def _serve(socket_path: str, node: str, count: int) -> None:
-    kubelet = FakeKubelet(socket_path, *shared_pods(node, count))
+    served = shared_pods(node, count) if count else simulated_pods(PROFILES["h100x8"](node))
+    kubelet = FakeKubelet(socket_path, *served)
     await kubelet.start()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
