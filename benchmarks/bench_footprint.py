@@ -67,6 +67,25 @@ gc.collect()
 print(rss() - before, len(sys.modules) - modules, before)
 """
 _IDLE = "import asyncio; asyncio.run(asyncio.sleep(86400))"
+# The agent's kubelet client in a process of its own: CPU of an open channel polled every
+# `every` seconds (0: never polled; -1: no client at all, the floor), over `seconds`.
+_GRPC = """
+import asyncio, os, sys, time
+from gpuid_agent.sources.kubelet.client import PodResourcesClient
+async def main(socket, every, seconds):
+    if every >= 0:
+        client = PodResourcesClient(socket, timeout=5)
+        await client.list_bytes()
+    every = max(every, 0)
+    await asyncio.sleep(2)
+    used, started = sum(os.times()[:2]), time.monotonic()
+    while time.monotonic() - started < seconds:
+        if every:
+            await client.list_bytes()
+        await asyncio.sleep(every or 1.0)
+    print((sum(os.times()[:2]) - used) / (time.monotonic() - started) * 100)
+asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
+"""
 _IMPORT_FLOOR = """
 import sys, time
 import gpuid_agent.cli, gpuid_agent.agent, gpuid_agent.delivery.exporters.stdout
@@ -311,6 +330,34 @@ async def healthz_rows() -> list[Row]:
     return rows
 
 
+def grpc_rows(socket: str) -> list[Row]:
+    """What the kubelet client's gRPC costs idle: a channel left open, polled at the default
+    POD_RESOURCES_INTERVAL, and the same with GRPC_POLL_STRATEGY=poll; all at once."""
+    cases = {
+        "floor": ("-1", {}),
+        "gRPC channel open, not polled": ("0", {}),
+        "gRPC channel polled every 2 s": ("2", {}),
+        "gRPC polled every 2 s, GRPC_POLL_STRATEGY=poll": ("2", {"GRPC_POLL_STRATEGY": "poll"}),
+    }
+    seconds = str(CPU_SECONDS)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _GRPC, socket, every, seconds],
+            env=env | extra,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name, (every, extra) in cases.items()
+    }
+    used = {
+        name: float(proc.communicate(timeout=CPU_SECONDS + 60)[0]) for name, proc in procs.items()
+    }
+    floor = used.pop("floor")
+    note = f"the client alone in a process; idle asyncio loop {floor:.3f} %"
+    return [Row("footprint", name, value, "% of a core", note) for name, value in used.items()]
+
+
 async def run() -> list[Row]:
     rows = client_options()
     with tempfile.TemporaryDirectory() as tmp:
@@ -327,6 +374,7 @@ async def run() -> list[Row]:
                 off = {"KUBE_API": "off", "POD_RESOURCES_SOCKET": socket}
                 rows += await _soak(off, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
                 rows.append(await _cpu_at_1s(api))
+            rows += grpc_rows(socket)
         finally:
             kubelet.terminate()
             kubelet.wait(10)
