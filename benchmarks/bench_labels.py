@@ -23,7 +23,7 @@ from gpuid_agent.facts import GpuIdentity, NodeInventory, PlatformInfo
 from gpuid_agent.node.labels import LabelMetrics, NodeLabeler, desired_state
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import create_kube_client
+from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
 from gpuid_agent.state.inventory import build_inventory
 from tests.fakekube import FakeKube, write_kubeconfig
 
@@ -75,7 +75,9 @@ def _h100() -> NodeInventory:
     )
 
 
-async def _steady_state(kube: FakeKube, api: object) -> tuple[dict[str, float], int, float, float]:
+async def _steady_state(
+    kube: FakeKube, api: KubeClient
+) -> tuple[dict[str, float], int, float, float]:
     registry = CollectorRegistry()
     labeler = NodeLabeler(
         api,
@@ -116,7 +118,7 @@ async def _steady_state(kube: FakeKube, api: object) -> tuple[dict[str, float], 
     return per_hour, startup, offers / elapsed, per_cycle
 
 
-async def _reconcile_latency(api: object) -> list[float]:
+async def _reconcile_latency(api: KubeClient) -> list[float]:
     labeler = NodeLabeler(
         api,
         NODE,
@@ -149,8 +151,8 @@ async def run() -> list[Row]:
             client = await create_kube_client(environ={"KUBECONFIG": str(path)})
             assert client is not None
             try:
-                per_hour, startup, offer_rate, per_cycle = await _steady_state(kube, client.api)
-                samples = await _reconcile_latency(client.api)
+                per_hour, startup, offer_rate, per_cycle = await _steady_state(kube, client)
+                samples = await _reconcile_latency(client)
             finally:
                 await client.close()
     how = (

@@ -8,20 +8,19 @@ from email.utils import format_datetime
 
 import aiohttp
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.node.labels.policy import classify
+from gpuid_agent.runtime.errors import KubeApiError
+from gpuid_agent.sources.kube.client import api_error as error_from
 from gpuid_agent.sources.kube.client import describe_request
 from tests.fakekube import status_body
 
 
 def api_error(
     status: int, message: str = "m", headers: dict[str, str] | None = None
-) -> ApiException:
-    exc = ApiException(status=status, reason="r")
-    exc.body = json.dumps(status_body(status, message))
-    exc.headers = headers or {}
-    return exc
+) -> KubeApiError:
+    """The error the client raises for this Status answer."""
+    return error_from(status, json.dumps(status_body(status, message)).encode(), headers)
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ class Harness:
             "rand": random.Random(7),
         }
         options.update(overrides)
-        return NodeLabeler(self.client.api, NODE, **options)
+        return NodeLabeler(self.client, NODE, **options)
 
     def run(self, labeler: NodeLabeler) -> NodeLabeler:
         self.tasks.append(asyncio.create_task(labeler.run()))

@@ -19,13 +19,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuid_agent.runtime import log
+from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import KubeClient
+from gpuid_agent.sources.kube.client import KubeClient, node_path
 from gpuid_agent.state.health.verdicts import NodeHealth
 
 _log = log.get("node_conditions")
@@ -125,7 +124,7 @@ class NodeConditionWriter:
             self._wake.clear()
             try:
                 await self._sync()
-            except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+            except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 reason = _describe(exc)
                 self._board.set(COMPONENT, "degraded", reason)
                 await asyncio.sleep(backoff.next())
@@ -138,14 +137,10 @@ class NodeConditionWriter:
         health = self._latest
         if health is None or self._client is None:
             return
-        core = k8s_client.CoreV1Api(self._client.api)
+        client = self._client
         if self._on_node is None:
-            node = await core.read_node(self.node, _request_timeout=self._timeout)
-            self._on_node = {
-                c.type: (Condition(c.status, c.reason or "", c.message or ""), _time(c))
-                for c in (node.status.conditions or [])
-                if c.type in CONDITION_TYPES.values()
-            }
+            node = await client.request_json("GET", node_path(self.node), within=self._timeout)
+            self._on_node = conditions_on(node)
         now = _rfc3339(datetime.now(UTC))
         patch = []
         changed: dict[str, tuple[Condition, str]] = {}
@@ -169,8 +164,11 @@ class NodeConditionWriter:
             changed[kind] = (want, since)
         if not patch:
             return
-        await core.patch_node_status(
-            self.node, {"status": {"conditions": patch}}, _request_timeout=self._timeout
+        await client.request_json(
+            "PATCH",
+            node_path(self.node) + "/status",
+            body={"status": {"conditions": patch}},
+            within=self._timeout,
         )
         self._on_node.update(changed)
         self.writes += 1
@@ -180,14 +178,27 @@ class NodeConditionWriter:
         )
 
 
-def _time(condition: Any) -> str:
-    moment = getattr(condition, "last_transition_time", None)
-    if isinstance(moment, datetime):
-        return _rfc3339(moment)
-    return str(moment) if moment else _rfc3339(datetime.now(UTC))
+def conditions_on(node: Any) -> dict[str, tuple[Condition, str]]:
+    """Our condition types as a Node (its JSON) carries them: value and lastTransitionTime;
+    entries of the wrong shape are skipped."""
+    status = node.get("status") if isinstance(node, Mapping) else None
+    listed = status.get("conditions") if isinstance(status, Mapping) else None
+    now = _rfc3339(datetime.now(UTC))
+    found = {}
+    for c in listed if isinstance(listed, list) else ():
+        if not isinstance(c, Mapping) or c.get("type") not in CONDITION_TYPES.values():
+            continue
+        value = Condition(_text(c, "status"), _text(c, "reason"), _text(c, "message"))
+        found[str(c["type"])] = (value, _text(c, "lastTransitionTime") or now)
+    return found
+
+
+def _text(condition: Mapping[str, Any], key: str) -> str:
+    value = condition.get(key)
+    return value if isinstance(value, str) else ""
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"Node status update failed: {exc.status} {exc.reason}"
+    if isinstance(exc, KubeApiError):
+        return f"Node status update failed: {exc.status} {exc.detail}"
     return f"Node status update failed: {type(exc).__name__}: {exc}"

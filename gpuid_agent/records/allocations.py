@@ -165,9 +165,13 @@ class AllocationTrail(Emitter):
         )
         self._latest: tuple[Attribution, NodeInventory] | None = None
         self.usage = UsageLedger(usage_interval, self.allocations.usage, allocation_record_id)
+        self._taken: Attribution | None = None  # the last attribution diffed in full
 
     def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
-        """Records owed for this attribution (ends, then starts); updates the open set."""
+        """Records owed for this attribution (ends, then starts); updates the open set. The
+        attribution last taken in full owes nothing more (it is kept while unchanged)."""
+        if attribution is self._taken:
+            return []
         changes = self.allocations.update(attribution)
         if changes is None:
             return []
@@ -184,6 +188,7 @@ class AllocationTrail(Emitter):
             self.allocations.opened(started.key, wire)
             self.usage.opened(wire, now, list(self.allocations.open.values()))
             records.append(start)
+        self._taken = attribution
         return records
 
     def note(self, snapshot: NodeSnapshot) -> None:

@@ -92,9 +92,13 @@ class KubeConfigError(SourceError):
 class KubeApiError(SourceError):
     """The API server answered with an error status (0: no answer at all)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, *, detail: str = "", retry_after: str | None = None
+    ) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.detail = detail or message  # the Status object's message alone
+        self.retry_after = retry_after  # the Retry-After header, as sent
 
 
 class WireError(GpuidError, ValueError):

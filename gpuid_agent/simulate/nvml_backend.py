@@ -362,6 +362,16 @@ class SimulatedNvml:
                 return item
         return None
 
+    def _next_fault_in(self, event_set: _SimEventSet) -> float:
+        """Seconds until the next delayed XID fault on this set's GPUs falls due."""
+        elapsed = time.monotonic() - self._t0
+        waits = [
+            f.delay - elapsed
+            for f in self.faults
+            if f.kind == "xid" and f.gpu in event_set.gpus and f.delay > elapsed
+        ]
+        return max(0.001, min(waits, default=math.inf))
+
     def event_set_wait(self, event_set: Any, timeout_ms: int) -> NvmlEvent:
         if not self._init:
             raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
@@ -371,8 +381,9 @@ class SimulatedNvml:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise _fail(pynvml.NVML_ERROR_TIMEOUT)
-                # wake for injections at once, for delayed faults within 50 ms
-                self._events.wait(min(left, 0.05))
+                # Block as the driver does: an injection wakes the wait at once, a delayed
+                # fault when it falls due, nothing else before the timeout.
+                self._events.wait(min(left, self._next_fault_in(event_set)))
             event_set.delivered.add(due)
         gpu, code, _ = due
         return NvmlEvent(

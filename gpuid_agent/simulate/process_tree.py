@@ -62,6 +62,10 @@ class StaticPods:
     def ready(self) -> bool:
         return True
 
+    @property
+    def revision(self) -> int:
+        return 0
+
 
 def plan_processes(
     node: str, gpus: Sequence[SimGpu], pods: Sequence[KubeletPod], proc_root: str

@@ -29,7 +29,6 @@ from gpuid_agent.sources.nvml.reader import NvmlReading, with_health_fields
 from gpuid_agent.sources.nvml.signals import GpuHealthSignals, XidEvent
 from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.accounting import Accountant, AccountingConfig
-from gpuid_agent.state.attribution import count_allocatable_gpus
 from gpuid_agent.state.attribution.process_service import ProcessTracker
 from gpuid_agent.state.attribution.service import Attributor
 from gpuid_agent.state.bus import SnapshotBus
@@ -237,7 +236,7 @@ class Collector:
                 inventory,
                 reading,
                 self.nvml,
-                count_allocatable_gpus(self.attributor.source.current(), self.inventory),
+                self.attributor.allocatable_gpus(self.inventory),
                 self.attributor.dra_gpu_count(),
             )
         except NvmlError as exc:

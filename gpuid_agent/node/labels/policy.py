@@ -10,14 +10,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import aiohttp
-from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import parse_retry_after
 
 Retry = Literal["now", "backoff", "resync"]
@@ -50,26 +48,15 @@ class Failure:
     retry_after: float | None = None
 
 
-def _status_message(exc: ApiException) -> str:
-    try:
-        body: Any = json.loads(exc.body or "")
-    except (TypeError, ValueError):
-        body = None
-    message = body.get("message") if isinstance(body, dict) else None
-    text = str(message or exc.reason or "").strip()
-    return text[:300]
-
-
 def classify(exc: BaseException) -> Failure:
-    if isinstance(exc, ApiException):
-        status = int(exc.status or 0)
-        message = _status_message(exc)
+    if isinstance(exc, KubeApiError):
+        status = exc.status
+        message = exc.detail.strip()[:300]
         if status in _BY_STATUS:
             reason, retry = _BY_STATUS[status]
             retry_after = None
             if status == 429:
-                headers: Mapping[str, str] = exc.headers or {}
-                retry_after = parse_retry_after(headers.get("Retry-After"))
+                retry_after = parse_retry_after(exc.retry_after)
             return Failure(reason, retry, f"{status} {message}".strip(), retry_after)
         if status >= 500:
             return Failure("server_error", "backoff", f"API server error {status}")

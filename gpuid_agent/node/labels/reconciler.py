@@ -16,8 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes_asyncio import client as k8s_client
-
 from gpuid_agent.facts import NodeInventory
 from gpuid_agent.node.labels.layout import (
     DesiredState,
@@ -30,6 +28,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.runtime.metrics import LabelMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube.client import KubeClient, node_path
 
 _log = log.get("labels")
 COMPONENT = "labels"
@@ -52,14 +51,25 @@ class LabelledNode:
 
 
 def labelled_node(node: Any) -> LabelledNode:
-    meta = getattr(node, "metadata", None)
-    spec = getattr(node, "spec", None)
+    """The fields the labeller reads from a Node's JSON; ValueError when it is not a Node."""
+    meta = node.get("metadata") if isinstance(node, Mapping) else None
+    if not isinstance(meta, Mapping):
+        raise ValueError("the Node reply has no metadata")
+    spec = node.get("spec")
+    version = meta.get("resourceVersion")
+    provider_id = spec.get("providerID") if isinstance(spec, Mapping) else None
     return LabelledNode(
-        labels=dict(getattr(meta, "labels", None) or {}),
-        annotations=dict(getattr(meta, "annotations", None) or {}),
-        resource_version=getattr(meta, "resource_version", None),
-        provider_id=str(getattr(spec, "provider_id", None) or ""),
+        labels=_strings(meta.get("labels")),
+        annotations=_strings(meta.get("annotations")),
+        resource_version=version if isinstance(version, str) else None,
+        provider_id=provider_id if isinstance(provider_id, str) else "",
     )
+
+
+def _strings(found: Any) -> dict[str, str]:
+    if not isinstance(found, Mapping):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def plan_patch(node: LabelledNode, desired: DesiredState, prefix: str) -> dict[str, Any] | None:
@@ -98,7 +108,7 @@ class NodeLabeler:
 
     def __init__(
         self,
-        api: Any,  # kubernetes_asyncio ApiClient
+        client: KubeClient,
         node: str,
         *,
         prefix: str,
@@ -132,7 +142,7 @@ class NodeLabeler:
         self.on_node = on_node
         self._rand = rand or random.Random()
         self._backoff = Backoff(backoff_base, backoff_cap, self._rand)
-        self._core = k8s_client.CoreV1Api(api)
+        self._client = client
         self._desired: DesiredState | None = None
         self._changed = asyncio.Event()
         self._reported_rewrites: set[str] = set()
@@ -201,14 +211,15 @@ class NodeLabeler:
         self.metrics.attempts.inc()
         for attempt in range(self.conflict_retries + 1):
             try:
-                found = await self._core.read_node(self.node, _request_timeout=self.request_timeout)
+                path = node_path(self.node)
+                found = await self._client.request_json("GET", path, within=self.request_timeout)
                 node = labelled_node(found)
                 if self.on_node is not None:
                     self.on_node(node)
                 patch = plan_patch(node, desired, self.prefix)
                 if patch is not None and not self.dry_run:
-                    await self._core.patch_node(
-                        self.node, patch, _request_timeout=self.request_timeout
+                    await self._client.request_json(
+                        "PATCH", path, body=patch, within=self.request_timeout
                     )
             except asyncio.CancelledError:
                 raise

@@ -71,7 +71,7 @@ class NodeLabelling:
             self.board.set(COMPONENT, "disabled", "LABELS=off")
             return
         self.labeler = NodeLabeler(
-            self.kube.api,
+            self.kube,
             self.node,
             prefix=config.prefix,
             metrics=self.metrics,

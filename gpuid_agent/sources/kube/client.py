@@ -1,39 +1,42 @@
-"""A kubernetes_asyncio ApiClient for the agent: in-cluster config, else a kubeconfig, else
-none (the agent then runs without the Kubernetes API).
+"""The agent's one Kubernetes API client: kubernetes_asyncio's configuration and auth
+(in-cluster config, else a kubeconfig, else none: the agent then runs without the API) with a
+thin request path of its own that reads every answer as JSON.
 
-The kubeconfig path is read from the environment when called (kubernetes_asyncio reads
-KUBECONFIG once at import), and each client gets its own Configuration instead of the
-library's process-wide default, so several agents in one process do not share credentials.
-Every request is reported to an observer (verb, resource, code) so the load one agent puts on
-the API server is visible in its metrics.
+kubernetes_asyncio is imported only when a client is made (sources/kube/library.py: its
+configuration, loaders and ApiClient, not its generated API and model classes). The kubeconfig
+path is read from the environment when called (kubernetes_asyncio reads KUBECONFIG once at
+import), and each client gets its own Configuration instead of the library's process-wide
+default, so several agents in one process do not share credentials. Every request is reported
+to an observer (verb, resource, code) so the load one agent puts on the API server is visible
+in its metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import orjson
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
-from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from prometheus_client import Counter
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError, KubeConfigError
 from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kube import library
 
 _log = log.get("kube")
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 Observer = Callable[[str, str, str], None]  # (verb, resource, code)
+Query = Sequence[tuple[str, Any]]
+# A dict patch is merged the way kubectl's default patch merges it (lists by their merge key).
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 def describe_request(method: str, url: str, query: Any = None) -> tuple[str, str]:
@@ -60,54 +63,6 @@ def describe_request(method: str, url: str, query: Any = None) -> tuple[str, str
             method, method.lower()
         )
     return verb, resource
-
-
-class ObservedApiClient(k8s_client.ApiClient):
-    """ApiClient that reports each request's verb, resource and outcome."""
-
-    observer: Observer | None = None
-
-    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        sent = super().request(method, url, *args, **kwargs)
-        observer = self.observer
-        if observer is None:
-            return sent  # type: ignore[no-any-return]
-        verb, resource = describe_request(method, url, kwargs.get("query_params"))
-        return _observed(sent, observer, verb, resource)
-
-
-async def _observed(sent: Awaitable[Any], observer: Observer, verb: str, resource: str) -> Any:
-    code = "error"
-    try:
-        response = await sent
-        code = str(getattr(response, "status", "error"))
-        return response
-    except ApiException as exc:
-        code = str(exc.status)
-        raise
-    except TimeoutError:
-        code = "timeout"
-        raise
-    except (aiohttp.ClientError, OSError):
-        code = "connection"
-        raise
-    finally:
-        observer(verb, resource, code)
-
-
-async def request_json(
-    call: Callable[..., Any], *args: Any, request_timeout: float, **kwargs: Any
-) -> Any:
-    """One API request through kubernetes_asyncio, answered as parsed JSON (no model
-    deserialization: the callers read a few fields and must survive odd objects)."""
-    resp = await call(*args, _preload_content=False, _request_timeout=request_timeout, **kwargs)
-    try:
-        body = await resp.read()
-    finally:
-        resp.release()
-    if not 200 <= resp.status < 300:
-        raise KubeApiError(resp.status, status_message(body))
-    return orjson.loads(body)
 
 
 # Far above any object the API server stores (etcd refuses requests over 1.5 MiB by default).
@@ -159,13 +114,30 @@ async def watch_events(
         resp.release()
 
 
-def status_message(body: bytes) -> str:
-    """`reason: message` of a Status error body (or its first bytes when it is none)."""
+def _status(body: bytes) -> tuple[str, str]:
+    """(reason, message) of a Status error body; ("", its first bytes) when it is none."""
     try:
         status = orjson.loads(body)
-        return str(status.get("reason") or "") + ": " + str(status.get("message") or "")[:200]
+        return str(status.get("reason") or ""), str(status.get("message") or "")[:300]
     except (orjson.JSONDecodeError, AttributeError):
-        return body[:200].decode("utf-8", "replace")
+        return "", body[:200].decode("utf-8", "replace")
+
+
+def status_message(body: bytes) -> str:
+    """`reason: message` of a Status error body (or its first bytes when it is none)."""
+    reason, message = _status(body)
+    return f"{reason}: {message[:200]}" if reason or message else ""
+
+
+def api_error(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> KubeApiError:
+    """The error for a non-2xx answer: its code, Status message and Retry-After."""
+    reason, message = _status(body)
+    return KubeApiError(
+        status,
+        f"{reason}: {message[:200]}",
+        detail=message or reason,
+        retry_after=(headers or {}).get("Retry-After"),
+    )
 
 
 def request_counter(counter: Counter) -> Observer:
@@ -179,17 +151,71 @@ def request_counter(counter: Counter) -> Observer:
 
 @dataclass(slots=True)
 class KubeClient:
-    """An ApiClient and where its configuration came from ("in-cluster" or the file paths)."""
+    """An ApiClient (its configuration and auth), where that configuration came from
+    ("in-cluster" or the file paths), and the agent's requests through it."""
 
-    api: Any  # ObservedApiClient
+    api: Any  # kubernetes_asyncio ApiClient
     source: str
+    observer: Observer | None = None
 
     @property
     def host(self) -> str:
         return str(self.api.configuration.host)
 
     def observe(self, observer: Observer | None) -> None:
-        self.api.observer = observer
+        self.observer = observer
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Query = (),
+        body: Any = None,
+        within: float,
+    ) -> Any:
+        """One request, answered with the unread response (any status; release it). A dict
+        `body` is sent as a strategic-merge patch."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = STRATEGIC_MERGE_PATCH
+        code = "error"
+        try:
+            resp = await self.api.call_api(
+                path,
+                method,
+                query_params=list(query),
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=within,
+            )
+            code = str(resp.status)
+            return resp
+        except TimeoutError:
+            code = "timeout"
+            raise
+        except (aiohttp.ClientError, OSError):
+            code = "connection"
+            raise
+        finally:
+            if self.observer is not None:
+                self.observer(*describe_request(method, path, query), code)
+
+    async def request_json(
+        self, method: str, path: str, *, query: Query = (), body: Any = None, within: float
+    ) -> Any:
+        """One request answered as parsed JSON; a non-2xx answer raises KubeApiError (no model
+        deserialization: the callers read a few fields and must survive odd objects)."""
+        resp = await self.send(method, path, query=query, body=body, within=within)
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        if not 200 <= resp.status < 300:
+            raise api_error(resp.status, data, resp.headers)
+        return orjson.loads(data)
 
     async def close(self) -> None:
         await self.api.close()
@@ -202,7 +228,7 @@ def _safe_reason(exc: BaseException) -> str:
     if mark is not None:
         problem = str(getattr(exc, "problem", "") or "syntax error")[:100]
         return f"not valid YAML ({problem} at line {mark.line + 1}, column {mark.column + 1})"
-    if isinstance(exc, k8s_config.ConfigException):
+    if isinstance(exc, library.load().ConfigException):
         return str(exc).split(" in ", 1)[0][:200]
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {exc.strerror or ''}".rstrip(": ")
@@ -244,52 +270,60 @@ async def create_kube_client(
     if mode == "off":
         return None
     env = os.environ if environ is None else environ
-    configuration = k8s_client.Configuration()
     if _in_cluster_available(env, service_account_dir):
+        kube = library.load()
+        configuration = kube.Configuration()
         try:
-            loader = InClusterConfigLoader(
+            loader = kube.InClusterConfigLoader(
                 token_filename=str(Path(service_account_dir, "token")),
                 cert_filename=str(Path(service_account_dir, "ca.crt")),
                 environ=dict(env),
             )
             loader.load_and_set(configuration)
-            api = ObservedApiClient(configuration=configuration)
+            api = kube.ApiClient(configuration=configuration)
         except Exception as exc:  # config errors, unreadable files, a bad CA bundle
             raise KubeConfigError(
                 f"in-cluster configuration unusable: {_safe_reason(exc)}"
             ) from exc
-        api.observer = observer
-        return KubeClient(api, "in-cluster")
+        return KubeClient(api, "in-cluster", observer)
     paths = _existing(_kubeconfig_paths(env))
     if not paths:
         return None
+    kube = library.load()
+    configuration = kube.Configuration()
     try:
-        await k8s_config.load_kube_config(
+        await kube.load_kube_config(
             config_file=os.pathsep.join(paths),
             client_configuration=configuration,
             persist_config=False,
         )
-        api = ObservedApiClient(configuration=configuration)
+        api = kube.ApiClient(configuration=configuration)
     except Exception as exc:  # a malformed file surfaces as yaml, key, type or value errors
         raise KubeConfigError(
             f"kubeconfig {', '.join(paths)} unusable: {_safe_reason(exc)}"
         ) from exc
-    api.observer = observer
     _log.debug("kube client from kubeconfig", extra={"paths": paths})
-    return KubeClient(api, ", ".join(paths))
+    return KubeClient(api, ", ".join(paths), observer)
+
+
+def node_path(node: str) -> str:
+    """The API path of a Node (its name quoted as one path segment)."""
+    return f"/api/v1/nodes/{quote(node, safe='')}"
 
 
 async def read_provider_id(kube: KubeClient, node: str, *, within: float) -> str | None:
     """The Node's spec.providerID ("" when it has none); None when the Node cannot be read
     now (the reason is logged at debug: the labeller reports API trouble)."""
-    core = k8s_client.CoreV1Api(kube.api)
     try:
-        found = await asyncio.wait_for(core.read_node(node, _request_timeout=within), within)
-    except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        found = await asyncio.wait_for(
+            kube.request_json("GET", node_path(node), within=within), within
+        )
+    except (KubeApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         _log.debug("node not readable for its providerID", extra={"error": str(exc)[:200]})
         return None
-    spec = getattr(found, "spec", None)
-    return str(getattr(spec, "provider_id", None) or "")
+    spec = found.get("spec") if isinstance(found, Mapping) else None
+    provider_id = spec.get("providerID") if isinstance(spec, Mapping) else None
+    return provider_id if isinstance(provider_id, str) else ""
 
 
 async def open_shared_client(

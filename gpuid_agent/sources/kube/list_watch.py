@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -23,11 +23,7 @@ import aiohttp
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.runtime.status import StatusBoard
-from gpuid_agent.sources.kube.client import request_json, watch_events
-
-# a kubernetes_asyncio list method (`list_pod_for_all_namespaces`, …): lists, and with
-# watch=True watches, the same collection
-ListCall = Callable[..., Awaitable[Any]]
+from gpuid_agent.sources.kube.client import KubeClient, watch_events
 
 ABSENT_RETRY_SECONDS = 600.0  # a resource not served (no resource.k8s.io): look again now and then
 _FAILURES = (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError)
@@ -95,16 +91,17 @@ class ListWatch:
         self._timeout = timeout
         self._watch_timeout = watch_timeout
         self._backoff_max = backoff_max
-        self._call: ListCall | None = None  # the collection last listed: the one watched
+        self._client: KubeClient | None = None
+        self._path: str | None = None  # the collection last listed: the one watched
         self.resource_version: str | None = None  # None: list (again) before watching
 
-    async def list(self, call: ListCall) -> Any:
-        """One LIST of the node's objects through `call`, as parsed JSON; the watch that
-        follows is on the same collection."""
-        listed = await request_json(
-            call, field_selector=self.selector, request_timeout=self._timeout
+    async def list(self, client: KubeClient, path: str) -> Any:
+        """One LIST of the node's objects in the collection at `path` (`/api/v1/pods`), as
+        parsed JSON; the watch that follows is on the same collection."""
+        listed = await client.request_json(
+            "GET", path, query=[("fieldSelector", self.selector)], within=self._timeout
         )
-        self._call = call
+        self._client, self._path = client, path
         return listed
 
     async def run(self) -> None:
@@ -135,15 +132,18 @@ class ListWatch:
 
     async def _watch(self) -> None:
         """Follow events until the server ends the watch; a 410 raises KubeApiError(410)."""
-        assert self._call is not None, "a list comes first"
-        resp = await self._call(
-            field_selector=self.selector,
-            watch=True,
-            resource_version=self.resource_version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=int(self._watch_timeout),
-            _preload_content=False,
-            _request_timeout=self._watch_timeout + self._timeout,
+        assert self._client is not None, "a list comes first"
+        assert self._path is not None
+        query: list[tuple[str, Any]] = [
+            ("allowWatchBookmarks", True),
+            ("fieldSelector", self.selector),
+            ("timeoutSeconds", int(self._watch_timeout)),
+            ("watch", True),
+        ]
+        if self.resource_version is not None:
+            query.insert(2, ("resourceVersion", self.resource_version))
+        resp = await self._client.send(
+            "GET", self._path, query=query, within=self._watch_timeout + self._timeout
         )
         malformed = self._target.malformed
         async with contextlib.aclosing(watch_events(resp, self.what, malformed)) as events:

@@ -15,14 +15,14 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
-from kubernetes_asyncio import client as k8s
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.metrics import AttributionMetrics
-from gpuid_agent.sources.kube.client import request_json as _json
+from gpuid_agent.sources.kube.client import KubeClient
 
 _log = log.get("pods")
 OWNER_CACHE_SIZE = 4096
@@ -54,9 +54,8 @@ def controller(meta: Any) -> Mapping[str, Any] | None:
 class OwnerResolver:
     """Walks ownerReferences up to the workload, with lookups cached by owner UID."""
 
-    def __init__(self, api: Any, *, timeout: float, metrics: AttributionMetrics) -> None:
-        self._apps = k8s.AppsV1Api(api)
-        self._batch = k8s.BatchV1Api(api)
+    def __init__(self, client: KubeClient, *, timeout: float, metrics: AttributionMetrics) -> None:
+        self._client = client
         self._timeout = timeout
         self._metrics = metrics
         self._cache: OrderedDict[str, tuple[Workload, float | None]] = OrderedDict()
@@ -88,15 +87,13 @@ class OwnerResolver:
     async def _parent(
         self, kind: str, name: str, namespace: str, labels: Mapping[str, Any]
     ) -> tuple[Workload, float | None]:
-        read = (
-            self._apps.read_namespaced_replica_set
-            if kind == "ReplicaSet"
-            else self._batch.read_namespaced_job
-        )
+        group, plural = ("apps/v1", "replicasets") if kind == "ReplicaSet" else ("batch/v1", "jobs")
         try:
             if not name or not namespace:
                 raise KubeApiError(0, f"{kind} reference without a name or namespace")
-            owner = await _json(read, name, namespace, request_timeout=self._timeout)
+            where = f"{quote(namespace, safe='')}/{plural}/{quote(name, safe='')}"
+            path = f"/apis/{group}/namespaces/{where}"
+            owner = await self._client.request_json("GET", path, within=self._timeout)
         except (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
             status = getattr(exc, "status", 0)
             outcome = {403: "forbidden", 404: "not_found"}.get(status, "error")

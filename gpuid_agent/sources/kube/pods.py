@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from kubernetes_asyncio import client as k8s
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
@@ -60,6 +59,12 @@ class PodDirectory(Protocol):
     @property
     def ready(self) -> bool:
         """True once the first list is in (or the API is known to be out of reach)."""
+        ...
+
+    @property
+    def revision(self) -> object:
+        """Equal between two reads only if `lookup` answers the same in between (attribution
+        is recomputed when it moves)."""
         ...
 
 
@@ -105,7 +110,6 @@ class PodCache:
         self.registry = self._metrics.registry
         self._timeout = timeout
         self._client: KubeClient | None = None
-        self._core: Any = None  # CoreV1Api and the owner walker over the client, from run()
         self._owners: OwnerResolver | None = None
         self._follow = ListWatch(
             "pod",
@@ -121,6 +125,7 @@ class PodCache:
         self._deleted: dict[tuple[str, str], tuple[PodMeta, float]] = {}
         self._by_uid: dict[str, PodMeta] | None = None  # from the two above; None: rebuild
         self._ready = False
+        self._changes = 0
         self.last_error: str | None = None
 
     # ---- what consumers read ---------------------------------------------------------------
@@ -146,6 +151,17 @@ class PodCache:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def revision(self) -> object:
+        # a tombstone that runs out changes `lookup` with no event: count the live ones
+        now = time.monotonic()
+        live = sum(1 for _, until in self._deleted.values() if until > now)
+        return (self._changes, live)
+
+    def _changed(self) -> None:
+        self._changes += 1
+        self.changed.set()
 
     @property
     def resource_version(self) -> str | None:
@@ -174,20 +190,20 @@ class PodCache:
         self.last_error = reason
         self.board.set(COMPONENT, "unavailable", f"{reason}; pods attributed from the kubelet")
         self._ready = True
-        self.changed.set()
+        self._changed()
 
     async def run(self) -> None:
         assert self._client is not None, "open() first"
-        self._core = k8s.CoreV1Api(self._client.api)
         self._owners = OwnerResolver(
-            self._client.api, timeout=min(self._timeout, 5.0), metrics=self._metrics
+            self._client, timeout=min(self._timeout, 5.0), metrics=self._metrics
         )
         await self._follow.run()
 
     # ---- what the list+watch loop hands over -----------------------------------------------
 
     async def relist(self, lister: ListWatch) -> str:
-        listed = await lister.list(self._core.list_pod_for_all_namespaces)
+        assert self._client is not None
+        listed = await lister.list(self._client, "/api/v1/pods")
         self._metrics.pod_cache_relists.inc()
         items = listed.get("items") if isinstance(listed, Mapping) else None
         if not isinstance(items, list):
@@ -208,7 +224,7 @@ class PodCache:
         self._ready = True
         self.last_error = None
         self.board.set(COMPONENT, "ok")
-        self.changed.set()
+        self._changed()
         return list_version(listed)
 
     async def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -218,7 +234,7 @@ class PodCache:
                 self.malformed("pod DELETED event without a name and namespace")
             else:
                 self._tombstone(gone)
-                self.changed.set()
+                self._changed()
             return
         meta = await self._meta(obj)
         if meta is None:
@@ -227,7 +243,7 @@ class PodCache:
             self._pods[key] = meta
             self._by_uid = None
             self._deleted.pop(key, None)
-            self.changed.set()
+            self._changed()
 
     def synced(self) -> None:
         self.board.set(COMPONENT, "ok")

@@ -15,18 +15,15 @@ full GPUs and marks it as such.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from kubernetes_asyncio import client as k8s
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
 from gpuid_agent.sources.kube.list_watch import (
-    ListCall,
     ListWatch,
     api_given,
     failure_reason,
@@ -37,11 +34,7 @@ from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 _log = log.get("resourceslices")
 COMPONENT = "kube-resourceslices"
 # Newest first: the first version the server serves is used.
-VERSIONS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
-    ("v1", k8s.ResourceV1Api),
-    ("v1beta2", k8s.ResourceV1beta2Api),
-    ("v1beta1", k8s.ResourceV1beta1Api),
-)
+VERSIONS = ("v1", "v1beta2", "v1beta1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +115,9 @@ class ResourceSliceCache:
         self.node = node
         self.board = board or StatusBoard()
         self.changed = changed or asyncio.Event()
-        self._versions = tuple(v for v in VERSIONS if versions is None or v[0] in versions)
+        self._versions = tuple(v for v in VERSIONS if versions is None or v in versions)
         self._client: KubeClient | None = None
-        self._call: ListCall | None = None  # list_resource_slice of the version served
+        self._path: str | None = None  # the collection of the version served
         self._follow = ListWatch(
             "resourceslice",
             node,
@@ -141,6 +134,7 @@ class ResourceSliceCache:
         self.version: str | None = None
         self._origin: str | None = None  # slices not from the API (a simulated node)
         self.last_error: str | None = None
+        self._changes = 0
 
     # ---- what consumers read ---------------------------------------------------------------
 
@@ -152,6 +146,11 @@ class ResourceSliceCache:
 
     def lookup(self, driver: str, pool: str, device: str) -> SliceDevice | None:
         return self._index.get((driver, pool, device))
+
+    @property
+    def revision(self) -> int:
+        """Moves whenever `available` or a `lookup` answer may have changed."""
+        return self._changes
 
     def devices(self) -> tuple[SliceDevice, ...]:
         """Every device of the pools' newest generations."""
@@ -194,8 +193,9 @@ class ResourceSliceCache:
 
     async def relist(self, lister: ListWatch) -> str | None:
         """List through the version found before, or find the first one served."""
-        if self._call is not None:
-            listed = await lister.list(self._call)
+        if self._path is not None:
+            assert self._client is not None
+            listed = await lister.list(self._client, self._path)
         elif (listed := await self._discover(lister)) is None:
             return None
         items = listed.get("items") if isinstance(listed, Mapping) else None
@@ -205,15 +205,15 @@ class ResourceSliceCache:
     async def _discover(self, lister: ListWatch) -> Any:
         """The list reply of the first served version (then kept); None when none is."""
         assert self._client is not None
-        for version, factory in self._versions:
-            call = factory(self._client.api).list_resource_slice
+        for version in self._versions:
+            path = f"/apis/resource.k8s.io/{version}/resourceslices"
             try:
-                listed = await lister.list(call)
+                listed = await lister.list(self._client, path)
             except KubeApiError as exc:
                 if exc.status == 404:
                     continue
                 raise
-            self.version, self._call = version, call
+            self.version, self._path = version, path
             _log.info("resourceslices followed", extra={"version": f"resource.k8s.io/{version}"})
             return listed
         self.version = None
@@ -237,7 +237,7 @@ class ResourceSliceCache:
     def failed(self, exc: Exception) -> None:
         status = getattr(exc, "status", 0)
         if status == 404:
-            self._call = None  # the version went away: find the one served now
+            self._path = None  # the version went away: find the one served now
         why = failure_reason(exc, "resourceslices")
         self.last_error = str(exc)[:300]
         if status in (401, 403, 404) or not self._available:
@@ -253,6 +253,7 @@ class ResourceSliceCache:
     def _set_available(self, available: bool) -> None:
         if available != self._available:
             self._available = available
+            self._changes += 1
             self.changed.set()
 
     def _replace(self, items: Any, source: str) -> None:
@@ -292,4 +293,5 @@ class ResourceSliceCache:
         }
         if index != self._index:
             self._index = index
+            self._changes += 1
             self.changed.set()

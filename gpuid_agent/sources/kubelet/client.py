@@ -74,6 +74,12 @@ class PodResourcesClient:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
             self._stub = _STUB(self._channel)
+            # List without the response parsed (no deserializer: the bytes as received)
+            self._stub.ListBytes = self._channel.unary_unary(
+                "/v1.PodResourcesLister/List",
+                request_serializer=api_pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=None,
+            )
         return self._stub
 
     async def _call(self, method: str, request: Any) -> Any:
@@ -87,10 +93,12 @@ class PodResourcesClient:
             raise error from exc
 
     async def list(self) -> api_pb2.ListPodResourcesResponse:
-        response: api_pb2.ListPodResourcesResponse = await self._call(
-            "List", api_pb2.ListPodResourcesRequest()
-        )
-        return response
+        return api_pb2.ListPodResourcesResponse.FromString(await self.list_bytes())
+
+    async def list_bytes(self) -> bytes:
+        """The List answer as the kubelet sent it (parsed by the caller only when it moved)."""
+        answer: bytes = await self._call("ListBytes", api_pb2.ListPodResourcesRequest())
+        return answer
 
     async def allocatable(self) -> api_pb2.AllocatableResourcesResponse:
         """Raises PodResourcesError("unimplemented") on kubelets before 1.21."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
@@ -26,6 +27,7 @@ from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kubelet.claims import ClaimAssignment, claims_from
 from gpuid_agent.sources.kubelet.client import PodResourcesClient
 from gpuid_agent.sources.kubelet.devices import ResourceMatcher
+from gpuid_agent.sources.kubelet.v1 import api_pb2
 
 _log = log.get("podresources")
 COMPONENT = "pod-resources"
@@ -127,6 +129,7 @@ class PodResourcesSource:
         self._allocatable_of = 0  # the client's `restarts` when it was read: whose it is
         self._stale = False
         self._ignored_drivers: set[str] = set()
+        self._last_parse: tuple[bytes, Any, PodResourcesSnapshot] | None = None
         self.changed = asyncio.Event()
         self.polled = asyncio.Event()  # set after the first poll, whatever its outcome
         self.board.set(COMPONENT, "starting")
@@ -166,12 +169,12 @@ class PodResourcesSource:
 
     async def poll_once(self) -> bool:
         try:
-            response = await self.client.list()
+            answer = await self.client.list_bytes()
             allocatable = await self._read_allocatable()
+            snapshot = self._parsed(answer, allocatable)
         except PodResourcesError as exc:
             self._failed(exc)
             return False
-        snapshot = snapshot_from(response, self.resources, allocatable)
         self._note_ignored(snapshot.ignored_drivers)
         recovered = self.failure is not None
         self.failure = None
@@ -189,6 +192,20 @@ class PodResourcesSource:
             self.changed.set()
         self.polled.set()
         return True
+
+    def _parsed(self, answer: bytes, allocatable: Any) -> PodResourcesSnapshot:
+        """The snapshot of a List answer; the last one again when the kubelet sent the same
+        bytes and the allocatable devices were not read again (most polls)."""
+        last = self._last_parse
+        if last is not None and last[0] == answer and last[1] is allocatable:
+            return last[2]
+        try:
+            response = api_pb2.ListPodResourcesResponse.FromString(answer)
+        except DecodeError as exc:
+            raise PodResourcesError("rpc_error", "kubelet List answer not parsable") from exc
+        snapshot = snapshot_from(response, self.resources, allocatable)
+        self._last_parse = (answer, allocatable, snapshot)
+        return snapshot
 
     def _note_ignored(self, drivers: frozenset[str]) -> None:
         """Other DRA drivers' devices are not GPUs: said once per driver, at debug."""

@@ -20,7 +20,7 @@ from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache
 from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource, ResourceMatcher
 from gpuid_agent.state.attribution.dra import slice_gpu_count
 from gpuid_agent.state.attribution.holders import UNAVAILABLE, Attribution, Unmapped
-from gpuid_agent.state.attribution.mapping import attribute
+from gpuid_agent.state.attribution.mapping import attribute, count_allocatable_gpus
 
 _log = log.get("attribution")
 _EXAMPLES = 5
@@ -88,6 +88,9 @@ class Attributor:
         # (built with `changed=attributor.changed`).
         self.changed = source.changed
         self._metrics = metrics or AttributionMetrics(CollectorRegistry(auto_describe=True))
+        self._inputs: tuple[object, ...] | None = None  # what `current` was computed from
+        self._inventory: NodeInventory | None = None
+        self._allocatable: tuple[object, NodeInventory | None, int | None] | None = None
 
     @property
     def pods_ready(self) -> bool:
@@ -100,16 +103,38 @@ class Attributor:
         return slice_gpu_count(self.slices.devices())
 
     def refresh(self, inventory: NodeInventory | None) -> Attribution:
+        """The attribution for `inventory`: recomputed only when it, the kubelet's snapshot,
+        the pod metadata or the ResourceSlices moved since the last call."""
+        snapshot = self.source.current()
+        inputs = (
+            snapshot,
+            None if self.pods is None else self.pods.revision,
+            None if self.slices is None else self.slices.revision,
+        )
+        if inputs == self._inputs and _same(inventory, self._inventory):
+            return self.current
         attribution = attribute(
             inventory,
-            self.source.current(),
+            snapshot,
             pods=self.pods.lookup if self.pods is not None else None,
             label_allowlist=self.label_allowlist,
             slices=self.slices.lookup if self.slices and self.slices.available else None,
         )
+        self._inputs, self._inventory = inputs, inventory
         self._note(attribution)
         self.current = attribution
         return attribution
+
+    def allocatable_gpus(self, inventory: NodeInventory | None) -> int | None:
+        """count_allocatable_gpus of the kubelet's current snapshot, counted again only when
+        the snapshot or the inventory moved."""
+        snapshot = self.source.current()
+        cached = self._allocatable
+        if cached is not None and cached[0] is snapshot and _same(inventory, cached[1]):
+            return cached[2]
+        count = count_allocatable_gpus(snapshot, inventory)
+        self._allocatable = (snapshot, inventory, count)
+        return count
 
     def _note(self, attribution: Attribution) -> None:
         if attribution.state != "current":
@@ -196,3 +221,8 @@ class Attributor:
                 if a.claim is not None
             ],
         }
+
+
+def _same(a: NodeInventory | None, b: NodeInventory | None) -> bool:
+    """Whether two inventories attribute alike: the same GPUs (read times differ)."""
+    return a is b or (a is not None and b is not None and a.gpus == b.gpus)

@@ -119,7 +119,9 @@ class NvLinkWatch:
             for counter, value in enumerate(lk.errors):
                 if value is None:
                     continue
-                window = self._errors.setdefault((lk.link, counter), CounterWindow(self.window))
+                window = self._errors.get((lk.link, counter))
+                if window is None:  # not setdefault: that would build one every pass
+                    window = self._errors[(lk.link, counter)] = CounterWindow(self.window)
                 window.add(now, value)
                 if (grown := window.growth()) > 0:
                     name = NVLINK_COUNTERS[counter].replace("_", " ")
