@@ -86,6 +86,27 @@ async def test_the_same_xid_after_two_reboots_asks_for_hardware_inspection(
     assert "again after 2 reboots" in (seen["xid"].reason or "")
 
 
+async def test_repeats_before_a_restart_count_towards_escalation_after_it(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    repeats = {"xid_repeat_count": 3, "xid_repeat_window": 3600}
+    config = _config()
+    config.gpus[1].xids.append((13, 0))  # RESTART_APP: degraded, check workload
+    first = await _run_with_xid(fake_nvml, tmp_path, "boot-a", 13, config=config, **repeats)
+    assert (first["xid"].state, first["xid"].action) == ("degraded", "check_workload")
+    saved = orjson.loads((tmp_path / "state" / STATE_FILE).read_bytes())
+    [gpu1] = [g for g in saved["gpus"].values() if g.get("repeats")]
+    assert len(gpu1["repeats"]["13"]) == 2 and gpu1["repeats_boot_id"] == "boot-a"
+
+    third = await _run_with_xid(fake_nvml, tmp_path, "boot-a", 13, **repeats)
+    assert (third["xid"].state, third["xid"].action) == ("degraded", "reset")
+    assert "seen 3 times" in (third["xid"].reason or "")
+
+    # after a reboot the repeats of the previous boot count no more
+    rebooted = await _run_with_xid(fake_nvml, tmp_path, "boot-b", 13, **repeats)
+    assert rebooted["xid"].action == "check_workload"
+
+
 async def test_links_seen_up_before_a_restart_stay_the_baseline(
     fake_nvml: FakeNvml, tmp_path: Path
 ) -> None:
@@ -173,6 +194,13 @@ _shaped = st.fixed_dictionaries(
                     | _json,
                     "boots": st.dictionaries(st.text(max_size=4), _json, max_size=3) | _json,
                     "nvlink_seen_up": st.lists(_json | st.integers(-3, 20), max_size=4) | _json,
+                    "repeats": st.dictionaries(
+                        st.sampled_from(["13", "79", "x", "-1"]),
+                        st.lists(st.floats() | st.integers(-5, 2**41) | _json, max_size=70) | _json,
+                        max_size=3,
+                    )
+                    | _json,
+                    "repeats_boot_id": _json | st.just("b"),
                 },
             ),
             max_size=3,

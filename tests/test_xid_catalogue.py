@@ -4,6 +4,7 @@ repeats escalate."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,10 @@ def test_every_code_nvidia_lists_is_there_with_its_source_and_date() -> None:
     assert "docs.nvidia.com/deploy/xid-errors" in CATALOG.source
     assert datetime.strptime(CATALOG.retrieved, "%Y-%m-%d")
     assert CATALOG.source_version and CATALOG.retrieved in CATALOG.source_version
+    # what it was checked against: a named file at a commit, with that file's digest
+    assert CATALOG.source_file.endswith("/nvidia/xid/catalog_generated.go")
+    assert re.fullmatch(r"[0-9a-f]{40}", CATALOG.source_commit)
+    assert re.fullmatch(r"[0-9a-f]{64}", CATALOG.source_file_sha256)
     for entry in CATALOG.entries.values():
         assert entry.mnemonic and entry.description and entry.category
         assert set(entry.applies_to) <= {"A100", "H100", "B100", "GB200"}
@@ -105,6 +110,26 @@ def test_xid_154_falls_back_to_its_bucket_where_the_driver_lacks_the_recovery_fi
     fallback = judge_xid(154, recovery_field=False)
     assert (fallback.state, fallback.action, fallback.latched) == ("unhealthy", "reboot", True)
     assert judge_xid(79, recovery_field=False) is classify_xid(79)
+
+
+@pytest.mark.parametrize(
+    ("key", "length"), [("source_commit", 40), ("source_file_sha256", 64), ("source_file", 0)]
+)
+@given(value=st.one_of(st.none(), st.integers(), st.text(max_size=70), st.just("a" * 40)))
+def test_the_source_file_must_be_named_with_its_commit_and_digest(
+    key: str, length: int, value: object
+) -> None:
+    doc = json.loads(RAW)
+    doc[key] = value
+    if length:
+        good = isinstance(value, str) and re.fullmatch(f"[0-9a-f]{{{length}}}", value)
+    else:
+        good = isinstance(value, str) and value != ""
+    if good:
+        assert getattr(parse_catalog(json.dumps(doc)), key) == value
+    else:
+        with pytest.raises(ValueError, match=key):
+            parse_catalog(json.dumps(doc))
 
 
 @given(st.one_of(st.none(), st.integers(), st.text(max_size=70), st.binary(max_size=8)))

@@ -36,7 +36,9 @@ def xid_table() -> str:
         f"Source: {CATALOG.source}, retrieved {CATALOG.retrieved}: {len(entries)} codes "
         f"({len(used)} in use, {len(unused)} unused on Ampere and newer). "
         f"Version: {CATALOG.source_version}; SHA-256 of NVIDIA's sheet: "
-        f"{CATALOG.sheet_sha256 or 'not recorded'}.",
+        f"{CATALOG.sheet_sha256 or 'not recorded'}. Checked code by code against "
+        f"{CATALOG.source_file} at commit {CATALOG.source_commit} (GPUd's catalogue generated "
+        f"from NVIDIA's sheet; SHA-256 of that file: {CATALOG.source_file_sha256}).",
         "",
         "| XID | mnemonic | meaning | category | applies to | NVIDIA immediate / "
         "investigatory | state | action | latched | notes |",

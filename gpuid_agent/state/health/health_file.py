@@ -3,9 +3,10 @@ operators' clear requests (STATE_DIR/health-clear/).
 
 health.json holds, per GPU UUID, the latched XIDs with the boot they were latched in and the
 bucket they were judged by (a kernel line's NVLink5 subcode decides it), the boots each XID
-was seen in (for "again after two reboots") and the NVLinks seen up. It is hostile input like
-every state file: anything that does not read back as that shape is logged once and left out
-(the GPU starts afresh), never a reason to fail.
+was seen in (for "again after two reboots"), the times of the repeats within
+XID_REPEAT_WINDOW (wall clock, with their boot id) and the NVLinks seen up. It is hostile
+input like every state file: anything that does not read back as that shape is logged once
+and left out (the GPU starts afresh), never a reason to fail.
 
 Clear requests (`gpuid-agent health clear`) are taken from STATE_DIR/health-clear/ each
 collection: see `runtime.clear_requests`.
@@ -21,11 +22,13 @@ import orjson
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.clear_requests import CLEAR_DIR, take_clear_requests
+from gpuid_agent.state.health.xid_history import REPEATS_KEPT
 from gpuid_agent.state.state_file import StateDir, write_atomically
 
 _log = log.get("health.state")
 STATE_FILE = "health.json"
 STATE_VERSION = 1
+MAX_CODES = 256  # XID codes with saved repeats, per GPU
 BOOT_ID = "sys/kernel/random/boot_id"
 
 
@@ -124,4 +127,31 @@ def _gpu_ok(entry: object) -> bool:
         for k, v in boots.items()
     ):
         return False
-    return _ints(entry.get("nvlink_seen_up", []))
+    return _ints(entry.get("nvlink_seen_up", [])) and _repeats_ok(entry)
+
+
+def _repeats_ok(entry: dict[Any, Any]) -> bool:
+    """Repeats: up to REPEATS_KEPT wall-clock times (epoch seconds) for each of up to
+    MAX_CODES codes, and the boot they were seen in."""
+    repeats, boot = entry.get("repeats", {}), entry.get("repeats_boot_id")
+    if not isinstance(repeats, dict) or len(repeats) > MAX_CODES:
+        return False
+    if not isinstance(boot, (str, type(None))):
+        return False
+    return all(
+        isinstance(k, str)
+        and k.isdigit()
+        and len(k) < 10
+        and isinstance(v, list)
+        and len(v) <= REPEATS_KEPT
+        and all(_epoch(t) for t in v)
+        for k, v in repeats.items()
+    )
+
+
+def _epoch(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < 2**40  # NaN and infinities fail too
+    )

@@ -15,7 +15,7 @@ also says when a GPU fell off the bus (`mark_off_bus`) and reports NVSwitch SXID
 A GPU reset (see `resets`), a node reboot (the boot id changed since the state was saved)
 or an operator's request (`clear`) clears the GPU's latched XIDs. `as_state` / `restore` carry
 what must outlive the agent: latched XIDs with their boot id, the boots each XID was seen in,
-and the NVLinks seen up.
+the repeats within XID_REPEAT_WINDOW and the NVLinks seen up.
 
 Runs on the event loop only (XIDs arrive from their thread through call_soon_threadsafe).
 """
@@ -154,6 +154,7 @@ class HealthTracker:
             detail=detail,
             recovery_field=state.recovery_field,
             source=source,
+            wall=self._wall().timestamp(),
         )
         if changed_state is None:
             return []  # the kernel line already counted and judged it
@@ -218,7 +219,7 @@ class HealthTracker:
         state.xids.pair_window = PAIR_WINDOW if self.kernel_log else 0.0
         saved = self._saved.pop(gpu.uuid, None)
         if saved is not None:
-            state.xids.restore(saved, self.boot_id)
+            state.xids.restore(saved, self.boot_id, self._clock(), self._wall().timestamp())
             state.nvlink.seen_up.update(saved.get("nvlink_seen_up", ()))
         return state
 

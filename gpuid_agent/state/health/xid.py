@@ -81,12 +81,16 @@ class XidCatalog:
     entries: Mapping[int, XidEntry]
     source_version: str = ""
     sheet_sha256: str | None = None  # of NVIDIA's spreadsheet the file was built from
+    source_file: str = ""  # the generated catalogue it was checked against, with its commit
+    source_commit: str = ""  # and its SHA-256: the sheet itself was not at hand
+    source_file_sha256: str = ""
     buckets: Mapping[str, tuple[XidState, Action, bool]] = field(
         default_factory=lambda: MappingProxyType({})
     )
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def _judgement(raw: Mapping[str, Any], where: str) -> tuple[XidState, Action, bool]:
@@ -103,6 +107,21 @@ def _provenance(doc: Mapping[str, Any]) -> tuple[str, str | None]:
     if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
         raise ValueError(f"catalogue: sheet_sha256 {sha!r} is not a lower-case SHA-256")
     return version, sha
+
+
+def _source_file(doc: Mapping[str, Any]) -> tuple[str, str, str]:
+    path, commit, sha = (
+        doc.get("source_file"),
+        doc.get("source_commit"),
+        doc.get("source_file_sha256"),
+    )
+    if not isinstance(path, str) or not path:
+        raise ValueError("catalogue: source_file missing")
+    if not (isinstance(commit, str) and _COMMIT.fullmatch(commit)):
+        raise ValueError(f"catalogue: source_commit {commit!r} is not a git commit")
+    if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        raise ValueError(f"catalogue: source_file_sha256 {sha!r} is not a lower-case SHA-256")
+    return path, commit, sha
 
 
 def parse_catalog(text: str) -> XidCatalog:
@@ -155,6 +174,7 @@ def parse_catalog(text: str) -> XidCatalog:
         MappingProxyType(entries),
         version,
         sha,
+        *_source_file(doc),
         MappingProxyType(buckets),
     )
 

@@ -4,8 +4,10 @@ A latched XID holds until the GPU is reset, the node reboots or an operator clea
 (`clear`); the others hold for `XID_HOLD`. Repeats escalate twice over: the same code
 `repeat_count` times within `repeat_window` raises its action one step, and the same code
 seen in three boots (again after two reboots) asks for hardware inspection. What must outlive
-the agent (latched codes with their bucket, the boots each code was seen in) goes to and from
-`as_state`.
+the agent (latched codes with their bucket, the boots each code was seen in, the repeats within
+the window) goes to and from `as_state`. Repeats are kept as wall-clock times (the monotonic
+clock restarts with the agent) and taken back in the same boot only: a reboot resets the GPU,
+and a code seen again after reboots is the boots' escalation.
 
 With the kernel log read too (`pair_window` > 0) one XID arrives twice, as an NVML event and
 as its kernel line: whichever comes second within `pair_window` is its twin and is not counted
@@ -30,6 +32,7 @@ from gpuid_agent.state.health.xid import (
 )
 
 BOOTS_KEPT = 3  # the boots a code is remembered in: enough for "again after two reboots"
+REPEATS_KEPT = 64  # per code across a restart: XID_REPEAT_COUNT above it counts afresh
 PAIR_WINDOW = 5.0  # an NVML event and a kernel line of the same XID this close are one XID
 Source = Literal["nvml", "kernel"]
 
@@ -52,7 +55,8 @@ class XidHistory:
     last: int | None = None
     latched: dict[int, XidClass] = field(default_factory=dict)  # by code
     recent: list[tuple[float, XidClass]] = field(default_factory=list)
-    times: dict[int, deque[float]] = field(default_factory=dict)  # per code, for repeats
+    # per code, for repeats: (monotonic, wall-clock epoch seconds) of each occurrence
+    times: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
     boots: dict[int, list[str]] = field(default_factory=dict)  # per code, oldest first
     pair_window: float = 0.0  # > 0: XIDs come from NVML and the kernel log, pair them up
     unpaired: list[_Unpaired] = field(default_factory=list)
@@ -66,9 +70,11 @@ class XidHistory:
         detail: XidDetail | None = None,
         recovery_field: bool = True,
         source: Source = "nvml",
+        wall: float = 0.0,
     ) -> bool | None:
-        """Count one occurrence; True when what outlives the agent changed, None when it is
-        the NVML twin of a kernel line already counted (nothing changes)."""
+        """Count one occurrence (at monotonic `now`, wall-clock `wall`); True when what
+        outlives the agent changed, None when it is the NVML twin of a kernel line already
+        counted (nothing changes)."""
         twin = self._twin(code, source, now)
         if twin is not None and source != "kernel":
             return None
@@ -88,7 +94,8 @@ class XidHistory:
                     del seen[:-BOOTS_KEPT]
                     changed = True
                 cls = escalate_after_reboots(cls, len(seen))
-            cls = self._repeated(cls, now, counted=twin is None)
+            cls = self._repeated(cls, now, wall if twin is None else None)
+            changed |= twin is None and self.repeat_count > 0
             if cls.latched:
                 changed |= prior is None or prior.bucket != cls.bucket
                 self.latched[cls.code] = rules.worst_xid([c for c in (prior, cls) if c]) or cls
@@ -115,11 +122,12 @@ class XidHistory:
                 self.latched[code] = twin.prior
         self.recent = [(t, c) for t, c in self.recent if c is not twin.judged]
 
-    def _repeated(self, cls: XidClass, now: float, *, counted: bool = True) -> XidClass:
+    def _repeated(self, cls: XidClass, now: float, wall: float | None) -> XidClass:
+        """`cls` escalated if its code repeated; `wall` None: not counted (a twin)."""
         seen = self.times.setdefault(cls.code, deque())
-        if counted:
-            seen.append(now)
-        while seen and seen[0] <= now - self.repeat_window:
+        if wall is not None:
+            seen.append((now, wall))
+        while seen and seen[0][0] <= now - self.repeat_window:
             seen.popleft()
         if self.repeat_count <= 0 or len(seen) < self.repeat_count:
             return cls
@@ -134,7 +142,7 @@ class XidHistory:
         """Forget what holds the GPU's state (after a reset, a reboot or an operator's
         request); counts and the boots each code was seen in stay. True when something
         was cleared."""
-        had = bool(self.latched or self.recent)
+        had = bool(self.latched or self.recent or any(self.times.values()))
         self.latched.clear()
         self.recent.clear()
         self.times.clear()
@@ -144,18 +152,33 @@ class XidHistory:
     # ---- across restarts -----------------------------------------------------------------
 
     def as_state(self, boot: str | None) -> dict[str, Any]:
+        kept = min(self.repeat_count, REPEATS_KEPT)
+        repeats = {str(c): [w for _, w in seen][-kept:] for c, seen in sorted(self.times.items())}
         return {
             "latched": [
                 {"code": code, "boot_id": boot, "bucket": cls.bucket}
                 for code, cls in sorted(self.latched.items())
             ],
             "boots": {str(code): list(seen) for code, seen in sorted(self.boots.items())},
+            **(
+                {"repeats": {c: w for c, w in repeats.items() if w}, "repeats_boot_id": boot}
+                if kept
+                else {}
+            ),
         }
 
-    def restore(self, saved: Mapping[str, Any], boot: str | None) -> None:
-        """Take back what a previous run saved. Latched codes of another boot are gone (the
-        reboot was their reset); a malformed entry is skipped (the caller validated the
-        shape)."""
+    def restore(
+        self, saved: Mapping[str, Any], boot: str | None, now: float = 0.0, wall: float = 0.0
+    ) -> None:
+        """Take back what a previous run saved (`now`, `wall`: the monotonic and wall clocks
+        now). Latched codes and repeats of another boot are gone (the reboot was their reset),
+        repeats older than the window too; a malformed entry is skipped (the caller validated
+        the shape)."""
+        if boot is not None and saved.get("repeats_boot_id") == boot:
+            for code, walls in saved.get("repeats", {}).items():
+                recent = sorted(w for w in walls if 0 <= wall - w < self.repeat_window)
+                if recent:
+                    self.times[int(code)] = deque((now - (wall - w), w) for w in recent)
         for code, seen in saved.get("boots", {}).items():
             self.boots[int(code)] = [str(b) for b in _strings(seen)][-BOOTS_KEPT:]
         for item in saved.get("latched", []):
