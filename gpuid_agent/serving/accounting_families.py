@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpuid_agent.serving.exposition import Family
+from gpuid_agent.serving.exposition import Family, encodable
 from gpuid_agent.serving.metrics_fields import (
     ACCOUNTING_METRICS,
     POD_ACCOUNTING_METRICS,
@@ -24,19 +24,11 @@ from gpuid_agent.state.accounting_split import AccountingView, Usage, WorkloadKe
 WORKLOAD_LABELS = ("namespace", "owner_kind", "owner_name", "claim")
 
 
-def _clean(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return value.encode("utf-8", "replace").decode("utf-8")
-    return value
-
-
 def _values(key: WorkloadKey, options: RenderOptions) -> list[str]:
     labels = dict(key.labels)
     values = [key.namespace, key.owner_kind, key.owner_name, key.claim]
     values += [labels.get(k, "") for k, _ in options.pod_labels]
-    return [_clean(v) for v in values]
+    return [encodable(v) for v in values]
 
 
 def _counter(name: str, text: str, labels: list[str]) -> Family:
@@ -91,7 +83,7 @@ def _add(
         usage = totals[key]
         values = _values(key, options)
         if with_pod:
-            values.append(_clean(key.pod))
+            values.append(encodable(key.pod))
         seconds.add_metric(values, usage.gpu_seconds)
         if device is not None and key.namespace:
             device.add_metric(values, usage.device_seconds)

@@ -7,7 +7,7 @@ like `gpuid_gpu_allocation_info`, which lists DRA holders too."""
 from __future__ import annotations
 
 from gpuid_agent.facts import NodeInventory
-from gpuid_agent.serving.exposition import Family
+from gpuid_agent.serving.exposition import Family, encodable
 from gpuid_agent.serving.metrics_fields import (
     CLAIM_INFO,
     CLAIM_LABELS,
@@ -17,14 +17,6 @@ from gpuid_agent.serving.metrics_fields import (
     Naming,
 )
 from gpuid_agent.state.attribution.holders import Attribution
-
-
-def _clean(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return value.encode("utf-8", "replace").decode("utf-8")
-    return value
 
 
 def build_claim_family(
@@ -69,5 +61,5 @@ def build_claim_family(
         )
         if values not in seen:  # a shared device's shares: one series per claim and device
             seen.add(values)
-            family.add_metric([_clean(v) for v in values], 1)
+            family.add_metric([encodable(v) for v in values], 1)
     return family

@@ -93,6 +93,16 @@ class Family:
         self.rows += rows
 
 
+def encodable(value: str) -> str:
+    """A label value that always encodes: API strings may carry lone surrogates, which become
+    U+FFFD rather than failing the whole page."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
 def _escape_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 

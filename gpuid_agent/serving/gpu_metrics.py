@@ -24,7 +24,7 @@ from typing import Literal
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.serving.accounting_families import build_accounting_families
 from gpuid_agent.serving.claim_families import build_claim_family
-from gpuid_agent.serving.exposition import Family, write_openmetrics, write_text
+from gpuid_agent.serving.exposition import Family, encodable, write_openmetrics, write_text
 from gpuid_agent.serving.health_families import build_health_families
 from gpuid_agent.serving.metrics_fields import (
     ALLOCATION_INFO,
@@ -78,15 +78,6 @@ __all__ = [
 ]
 
 
-def _text(value: str) -> str:
-    """A label value that always encodes (API strings may carry lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return value.encode("utf-8", "replace").decode("utf-8")
-    return value
-
-
 def _holder_values(holder: Holder | None, options: RenderOptions) -> list[str]:
     width = len(HOLDER_LABELS) + (len(WORKLOAD_LABELS) if options.workload_labels else 0)
     if holder is None:
@@ -96,7 +87,7 @@ def _holder_values(holder: Holder | None, options: RenderOptions) -> list[str]:
         values += [holder.workload_kind, holder.workload_name]
     labels = dict(holder.labels)
     values += [labels.get(key, "") for key, _ in options.pod_labels]
-    return [_text(v) for v in values]
+    return [encodable(v) for v in values]
 
 
 def _family(spec: FieldSpec, dcgm: bool, labels: list[str]) -> Family:
