@@ -37,9 +37,7 @@ def _node(step: int, workloads: int = PODS) -> NodeSnapshot:
         )
         for uuid, holders in snap.attribution.by_device.items()
     }
-    inventory = dataclasses.replace(
-        snap.inventory, read_time=START + timedelta(seconds=10 * step)
-    )
+    inventory = dataclasses.replace(snap.inventory, read_time=START + timedelta(seconds=10 * step))
     return dataclasses.replace(
         snap,
         inventory=inventory,
@@ -86,9 +84,10 @@ def rows() -> list[Row]:
 
         added = render()
         out += [
-            Row(group, f"accountant advance ({label})", _best(advance, 5), "ms", "inputs unchanged"),
-            Row(group, f"accountant advance, split taken again ({label})", _best(new_split, 5),
-                "ms", "a new attribution"),  # fmt: skip
+            Row(group, f"advance, split kept ({label})", _best(advance, 5), "ms", "per snapshot"),
+            Row(
+                group, f"advance, split again ({label})", _best(new_split, 5), "ms", "per snapshot"
+            ),
             Row(group, f"families + text ({label})", _best(render, 5), "ms", "per render"),
             Row(group, f"bytes added ({label})", len(added) / 1024, "KiB", note),
         ]
