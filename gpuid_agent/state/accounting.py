@@ -16,6 +16,10 @@ time they were taken are saved (`accounting.json`, when the holders change and e
 SAVE_INTERVAL). A restarted agent credits the time and energy since that save to the saved
 split, so a SIGKILL neither loses nor repeats an interval; a gap over MAX_GAP (a node powered
 off) is not credited.
+
+Cost per snapshot: the split is taken again only when its inputs moved (the attribution is
+another object, the process shares or the GPUs differ), and each split's parts keep the
+totals' rows they credit, so a snapshot adds to rows without hashing keys.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.facts import GpuSample, NodeInventory
+from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
 from gpuid_agent.runtime import log
 from gpuid_agent.state.accounting_split import (
     IDLE,
@@ -70,8 +74,41 @@ class _Totals(dict[Any, list[Any]]):
         if joules is not None:
             row[2] = (row[2] or 0.0) + joules
 
+    def row(self, key: Any) -> list[Any]:
+        row = self.get(key)
+        if row is None:
+            row = self[key] = [0.0, 0.0, None]
+        return row
+
     def frozen(self) -> Mapping[Any, Usage]:
-        return MappingProxyType({k: Usage(*v) for k, v in self.items()})
+        make = tuple.__new__  # Usage(*row) without its argument parsing
+        return MappingProxyType({k: make(Usage, v) for k, v in self.items()})
+
+
+class _Credit:
+    """One part of a split with the totals' rows it adds to, found at its first credit: a
+    holder's rows appear when time is first credited to it, as before, and their keys are
+    hashed once per split instead of once per snapshot."""
+
+    __slots__ = ("part", "pod", "rows")
+
+    def __init__(self, part: Part, per_pod: bool) -> None:
+        self.part = part
+        self.pod = _pod_key(part) if per_pod else None
+        self.rows: tuple[list[Any], ...] = ()
+
+    def find_rows(self, holdings: _Totals, workloads: _Totals, pods: _Totals) -> None:
+        rows = [holdings.row(self.part.holding), workloads.row(self.part.workload)]
+        if self.pod is not None:
+            rows.append(pods.row(self.pod))
+        self.rows = tuple(rows)
+
+
+def _idle_fraction(parts: tuple[Part, ...]) -> float:
+    idle = 1.0
+    for p in parts:
+        idle -= p.gpu_fraction
+    return max(0.0, idle)
 
 
 class Accountant:
@@ -82,7 +119,13 @@ class Accountant:
         self._split: dict[str, tuple[Part, ...]] = {}
         self._energy: dict[str, float] = {}  # GPU UUID → counter (mJ) at _as_of
         self._workloads, self._pods, self._holdings = _Totals(), _Totals(), _Totals()
-        self._last_held: dict[Any, float] = {}
+        # the split's inputs, its parts ready to credit (GPU UUID → parts, idle fraction), and
+        # the keys it holds (holdings; pods too with per_pod)
+        self._inputs: tuple[Attribution, ProcessView, tuple[GpuIdentity, ...]] | None = None
+        self._credits: dict[str, tuple[tuple[_Credit, ...], float]] = {}
+        self._held: set[Any] = set()
+        self._last_held: dict[Any, float] = {}  # ended holdings and pods → when last held
+        self._marked: float | None = None  # the last read whose split's keys count as held
         self._saved = 0.0
         self._changed = False
         self._load()
@@ -107,12 +150,9 @@ class Accountant:
             sample = samples.get(gpu.uuid)
             joules = self._energy_delta(gpu.uuid, sample)
             if elapsed is not None and gpu.uuid in self._split:
-                self._credit(self._split[gpu.uuid], max(0.0, elapsed), joules)
+                self._credit(gpu.uuid, max(0.0, elapsed), joules)
         if attribution.state == "current" or not self._split:
-            split = split_node(inventory, attribution, processes)
-            if _holdings(split) != _holdings(self._split):
-                self._changed = True  # saved at once: a restart credits the gap to these
-            self._split = split
+            self._take_split(inventory, attribution, processes)
         self._as_of = now
         self._forget(now)
         return AccountingView(
@@ -129,31 +169,68 @@ class Accountant:
             return None
         return (counter - before) / 1000
 
-    def _credit(self, parts: tuple[Part, ...], seconds: float, joules: float | None) -> None:
-        idle = 1.0
-        for p in parts:
-            share = None if joules is None else joules * p.gpu_fraction
-            self._holdings.add(
-                p.holding, seconds * p.gpu_fraction, seconds * p.device_fraction, share
+    def _take_split(
+        self, inventory: NodeInventory, attribution: Attribution, processes: ProcessView
+    ) -> None:
+        """The split of this snapshot; the last one again while its inputs did not move (the
+        attributor keeps its object while the kubelet, pods, slices and GPUs do not)."""
+        inputs = self._inputs
+        if (
+            inputs is not None
+            and inputs[0] is attribution
+            and (inputs[1] is processes or inputs[1] == processes)
+            and (inputs[2] is inventory.gpus or inputs[2] == inventory.gpus)
+        ):
+            return
+        self._inputs = (attribution, processes, inventory.gpus)
+        split = split_node(inventory, attribution, processes)
+        if _holdings(split) != _holdings(self._split):
+            self._changed = True  # saved at once: a restart credits the gap to these
+        self._split = split
+        self._credits.clear()
+        held = self._held_keys()
+        if self._marked is not None:  # keys of the last split, held until its read
+            for key in self._held - held:
+                self._last_held[key] = self._marked
+        for key in held:
+            self._last_held.pop(key, None)
+        self._held = held
+
+    def _held_keys(self) -> set[Any]:
+        keys: set[Any] = _holdings(self._split)
+        if self._config.per_pod:
+            keys.update(_pod_key(p) for parts in self._split.values() for p in parts)
+        return keys
+
+    def _credit(self, uuid: str, seconds: float, joules: float | None) -> None:
+        ready = self._credits.get(uuid)
+        if ready is None:
+            parts = self._split[uuid]
+            per_pod = self._config.per_pod
+            ready = self._credits[uuid] = (
+                tuple(_Credit(p, per_pod) for p in parts),
+                _idle_fraction(parts),
             )
-            self._workloads.add(
-                p.workload, seconds * p.gpu_fraction, seconds * p.device_fraction, share
-            )
-            if self._config.per_pod:
-                pod = _pod_key(p)
-                self._pods.add(pod, seconds * p.gpu_fraction, seconds * p.device_fraction, share)
-            idle -= p.gpu_fraction
-        idle = max(0.0, idle)
+        credits, idle = ready
+        for c in credits:
+            if not c.rows:
+                c.find_rows(self._holdings, self._workloads, self._pods)
+            fraction = c.part.gpu_fraction
+            gpu_s, device_s = seconds * fraction, seconds * c.part.device_fraction
+            share = None if joules is None else joules * fraction
+            for row in c.rows:
+                row[0] += gpu_s
+                row[1] += device_s
+                if share is not None:
+                    row[2] = (row[2] or 0.0) + share
         self._workloads.add(IDLE, seconds * idle, 0.0, None if joules is None else joules * idle)
 
     def _forget(self, now: float) -> None:
         """Ended holdings and pods leave RETAIN after they were last held (workloads stay:
         their series outlive pod restarts)."""
-        for parts in self._split.values():
-            for p in parts:
-                self._last_held[p.holding] = now
-                if self._config.per_pod:
-                    self._last_held[_pod_key(p)] = now
+        self._marked = now
+        if not self._last_held:
+            return
         for key, seen in list(self._last_held.items()):
             if now - seen > RETAIN:
                 del self._last_held[key]
@@ -201,6 +278,7 @@ class Accountant:
         if state is None:
             return
         self._as_of, self._energy, self._split, self._holdings = state
+        self._held = self._held_keys()
         _log.info("restored accounting", extra={"holdings": len(self._holdings)})
 
     def _parse(

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.state.attribution.holders import Attribution, Holder
@@ -55,10 +55,10 @@ class Part:
     device_fraction: float
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(NamedTuple):
     """Accumulated GPU-seconds (share-weighted physical GPUs), device-seconds (a MIG device or
-    GPU held alone: 1 per second) and joules (None: no energy counter was ever read)."""
+    GPU held alone: 1 per second) and joules (None: no energy counter was ever read). A
+    tuple: every snapshot copies each total, and tuples are the cheapest to make."""
 
     gpu_seconds: float = 0.0
     device_seconds: float = 0.0
