@@ -17,11 +17,6 @@ from gpuid_agent.sources.nvml.fields import RECOVERY_ACTION_FIELD
 from gpuid_agent.sources.nvml.process_values import ProcessInfo, ProcessSample
 from gpuid_agent.sources.nvml.signals import FabricInfo, NvmlEvent, RemappedRows
 
-
-def _fail(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)
-
-
 # A healthy GB200 fabric health mask: every 2-bit condition "false", configuration "none",
 # partition assigned, fabric manager connected (NVML_GPU_FABRIC_HEALTH_MASK_* values).
 _FABRIC_HEALTHY_MASK = 2 | 2 << 2 | 2 << 4 | 2 << 6 | 1 << 8 | 1 << 12 | 1 << 14
@@ -52,12 +47,12 @@ class SimulatedNvml:
 
     def _gpu(self, handle: Any) -> SimGpu:
         if not self._init:
-            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         if isinstance(handle, SimGpu):
             if handle.lost or self._fault(handle, "lost"):
-                raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
             return handle
-        raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def init(self) -> None:
         self._init = True
@@ -73,12 +68,12 @@ class SimulatedNvml:
 
     def device_count(self) -> int:
         if not self._init:
-            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         return len(self.gpus)
 
     def handle_by_index(self, index: int) -> Any:
         if not 0 <= index < self.device_count():
-            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self.gpus[index]
 
     def uuid(self, handle: Any) -> str:
@@ -92,7 +87,7 @@ class SimulatedNvml:
     def serial(self, handle: Any) -> str:
         gpu = self._gpu(handle)
         if gpu.serial is None:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if self._fault(gpu, "gpu-replaced"):
             return gpu.serial[:-4] + "9999"
         return gpu.serial
@@ -111,7 +106,7 @@ class SimulatedNvml:
     def module_id(self, handle: Any) -> int:
         module = self._gpu(handle).module_id
         if module is None:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return module
 
     def board_part_number(self, handle: Any) -> str:
@@ -120,7 +115,7 @@ class SimulatedNvml:
     def platform_info(self, handle: Any) -> PlatformInfo:
         platform = self._gpu(handle).platform
         if platform is None:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return platform
 
     def mig_mode(self, handle: Any) -> int:
@@ -132,17 +127,17 @@ class SimulatedNvml:
     def mig_device_handle(self, handle: Any, index: int) -> Any:
         migs = self._gpu(handle).mig
         if index >= len(migs):
-            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return migs[index]
 
     def gpu_instance_id(self, handle: Any) -> int:
         if not isinstance(handle, SimMig):
-            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return handle.gpu_instance_id
 
     def compute_instance_id(self, handle: Any) -> int:
         if not isinstance(handle, SimMig):
-            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return handle.compute_instance_id
 
     def _wave(self, gpu: SimGpu, period: float) -> float:
@@ -152,7 +147,7 @@ class SimulatedNvml:
     def utilization(self, handle: Any) -> tuple[int, int]:
         gpu = self._gpu(handle)
         if gpu.mig:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if gpu.telemetry_from_processes:
             sm = sum(self._sm(gpu, p) for p in gpu.processes)
             return min(100, round(sm)), min(100, round(sm * 0.6))
@@ -183,7 +178,7 @@ class SimulatedNvml:
         """A GPU without MIG: per-engine counters are not reported on MIG-enabled GPUs."""
         gpu = self._gpu(handle)
         if gpu.mig:
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu
 
     def encoder_utilization(self, handle: Any) -> int:
@@ -203,7 +198,7 @@ class SimulatedNvml:
             return 345 + round(1635 * self._wave(gpu, 30.0))
         if clock == pynvml.NVML_CLOCK_MEM:
             return 2619
-        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     def pcie_replay_count(self, handle: Any) -> int:
         fault = self._fault(self._gpu(handle), "pcie-replay")
@@ -249,7 +244,7 @@ class SimulatedNvml:
     def fabric_info(self, handle: Any) -> FabricInfo:
         gpu = self._gpu(handle)
         if gpu.platform is None:  # HGX boards: not part of a multi-node NVLink fabric
-            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         degraded = self._fault(gpu, "fabric-degraded") is not None
         return FabricInfo(
             state=3,
@@ -309,7 +304,7 @@ class SimulatedNvml:
 
     def _link_fault(self, gpu: SimGpu, kind: str, link: int) -> Fault | None:
         if not 0 <= link < _NVLINKS:
-            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         index = self.gpus.index(gpu)
         elapsed = time.monotonic() - self._t0
         for fault in self.faults:
@@ -342,7 +337,7 @@ class SimulatedNvml:
 
     def event_set_create(self) -> Any:
         if not self._init:
-            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         return _SimEventSet()
 
     def register_xid_events(self, handle: Any, event_set: Any) -> None:
@@ -374,13 +369,13 @@ class SimulatedNvml:
 
     def event_set_wait(self, event_set: Any, timeout_ms: int) -> NvmlEvent:
         if not self._init:
-            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         deadline = time.monotonic() + timeout_ms / 1000
         with self._events:
             while (due := self._due(event_set)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise _fail(pynvml.NVML_ERROR_TIMEOUT)
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
                 # Block as the driver does: an injection wakes the wait at once, a delayed
                 # fault when it falls due, nothing else before the timeout.
                 self._events.wait(min(left, self._next_fault_in(event_set)))
