@@ -119,9 +119,14 @@ async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
             )
             assert check.reason == "2 of 3 expected GPUs usable (DRA ResourceSlices)"
             assert check.action == "reboot"
-            text = await get(agent, "/gpu/metrics")
-            [node] = samples(text, "gpuid_node_health_state")
-            assert (node["check"], node["state"]) == ("gpu_count", "unhealthy")
+
+            async def node_state() -> tuple[str, str] | None:
+                # /gpu/metrics is rendered off the loop: the snapshot with the change follows
+                [node] = samples(await get(agent, "/gpu/metrics"), "gpuid_node_health_state")
+                state = (node["check"], node["state"])
+                return state if state == ("gpu_count", "unhealthy") else None
+
+            assert await eventually(node_state) == ("gpu_count", "unhealthy")
 
 
 async def test_the_device_plugin_count_wins_when_it_has_gpus(

@@ -44,9 +44,12 @@ def close_all(conns: list[Conn]) -> None:
 
 
 def quiet_log(agent: AgentProcess) -> None:
-    """No traceback and no line from asyncio's own accept loop."""
+    """No traceback from the server and no line from asyncio's own accept loop. (A /gpu/metrics
+    render may fail while the process has no descriptor left, and says so; what this checks
+    is that accepting connections does not flood the log.)"""
     lines = agent.lines()
-    assert not [x for x in lines if "exc" in x], [x for x in lines if "exc" in x][:3]
+    tracebacks = [x for x in lines if "exc" in x and x.get("component") != "renderer"]
+    assert not tracebacks, tracebacks[:3]
     assert not [x for x in lines if "out of system resource" in x.get("msg", "")]
 
 
@@ -113,19 +116,30 @@ async def test_over_the_limit_the_quietest_connection_closes_and_probes_answer(
     quiet_log(agent)
 
 
+async def healthz_answers(agent: AgentProcess) -> bool:
+    """One probe: 200, or a connection the server closed to make room (a probe that failed
+    fast; the kubelet's next one, like this helper's next try, gets an answer)."""
+    try:
+        return (await agent.get("/healthz"))[0] == 200
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return False
+
+
 async def test_a_flood_of_idle_sockets_at_a_low_descriptor_limit(start: Start) -> None:
     agent = await start(nofile=256).started()
     flood: list[Conn] = []
-    for _ in range(4):
-        flood += await idle(agent, 150)
-        assert (await agent.get("/healthz"))[0] == 200
-        assert agent.fds() < 256
-    assert (await agent.get("/healthz"))[0] == 200
-    assert await agent.metric("gpuid_http_connections") <= 128  # half the descriptor limit
-    lines = agent.lines()
-    assert any("half the file-descriptor limit" in x["msg"] for x in lines)
-    assert len([x for x in lines if x["level"] in ("warning", "error")]) <= 3
-    close_all(flood)
+    try:
+        for _ in range(4):
+            flood += await idle(agent, 150)
+            await eventually(lambda: healthz_answers(agent), within=10)
+            assert agent.fds() < 256
+        await eventually(lambda: healthz_answers(agent), within=10)
+        assert await agent.metric("gpuid_http_connections") <= 128  # half the descriptor limit
+        lines = agent.lines()
+        assert any("half the file-descriptor limit" in x["msg"] for x in lines)
+        assert len([x for x in lines if x["level"] in ("warning", "error")]) <= 3
+    finally:
+        close_all(flood)
     quiet_log(agent)
 
 
