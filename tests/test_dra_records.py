@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 import asyncpg
-import pytest
 
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
@@ -74,15 +73,6 @@ def test_claim_fields_in_start_and_end_records() -> None:
     (start,) = plugin
     assert not CLAIM_KEYS & start.keys()
     assert allocation_from_wire(start).claim_name is None
-
-
-@pytest.fixture
-async def db(postgres: PostgresCluster) -> Any:
-    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def test_claims_land_in_postgres_and_old_tables_migrate(

@@ -41,15 +41,6 @@ def tables(schema: str) -> Tables:
 
 
 @pytest.fixture
-async def db(postgres: PostgresCluster) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
 async def make(postgres: PostgresCluster, pg_schema: str) -> AsyncIterator[Factory]:
     made: list[PostgresExporter] = []
 

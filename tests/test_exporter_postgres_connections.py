@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -22,15 +21,6 @@ from gpuid_agent.setup.delivery import make_exporters
 from tests.exporter_support import readings, wire_id
 from tests.servers.postgres import PostgresCluster
 from tests.waiting import eventually
-
-
-@pytest.fixture
-async def db(postgres: PostgresCluster) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def exporter(postgres: PostgresCluster, schema: str, **kw: Any) -> PostgresExporter:

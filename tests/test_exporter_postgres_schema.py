@@ -26,15 +26,6 @@ Factory = Callable[..., PostgresExporter]
 
 
 @pytest.fixture
-async def db(postgres: PostgresCluster) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
 async def make(postgres: PostgresCluster, pg_schema: str) -> AsyncIterator[Factory]:
     made: list[PostgresExporter] = []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import asyncpg
 import pytest
 
 from tests.servers.otlp import OtlpReceiver
@@ -38,6 +39,16 @@ def postgres(postgres_server: PostgresCluster) -> PostgresCluster:
 def pg_schema(postgres: PostgresCluster) -> str:
     """A fresh schema name per test, so tests never see each other's tables."""
     return f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def db(postgres: PostgresCluster) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the cluster, to look at what exporters stored."""
+    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 @pytest.fixture(scope="session")
