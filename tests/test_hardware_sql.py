@@ -12,9 +12,9 @@ import asyncpg
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.hardware import HardwareWatch
-from tests.test_exporter_postgres import Factory, db, make
+from tests.test_exporter_postgres import Factory, make
 
-__all__ = ["db", "make"]  # fixtures
+__all__ = ["make"]  # fixture
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "health.md"
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 
