@@ -14,7 +14,8 @@ import aiohttp
 
 from benchmarks.agentproc import free_port, load, start_agent, start_static, stop, wait_http
 from benchmarks.common import Row, median, percentile
-from gpuid_agent.simulate.kubelet import FakeKubelet, KubeletPod, pod
+from gpuid_agent.simulate.kubelet import FakeKubelet
+from gpuid_agent.simulate.pods import KubeletPod, pod
 from gpuid_agent.simulate.profiles import PROFILES
 
 NODE = "bench-node"

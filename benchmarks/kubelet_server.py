@@ -10,7 +10,8 @@ import asyncio
 import signal
 import sys
 
-from gpuid_agent.simulate.kubelet import FakeKubelet, KubeletPod, pod, simulated_pods
+from gpuid_agent.simulate.kubelet import FakeKubelet
+from gpuid_agent.simulate.pods import KubeletPod, pod, simulated_pods
 from gpuid_agent.simulate.profiles import PROFILES
 
 RESOURCE = "nvidia.com/gpu"

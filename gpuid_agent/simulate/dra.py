@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuid_agent.simulate.kubelet import ClaimDevice, KubeletClaim, KubeletPod, claim_pod
+from gpuid_agent.simulate.pods import ClaimDevice, KubeletClaim, KubeletPod, claim_pod
 from gpuid_agent.simulate.profiles import SimGpu, SimMig
 from gpuid_agent.sources.kubelet.claims import NVIDIA_GPU_DRIVER
 

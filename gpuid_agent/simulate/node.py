@@ -10,15 +10,18 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuid_agent.simulate.dra import dra_pods, dra_slices
-from gpuid_agent.simulate.kubelet import Devices, FakeKubelet, KubeletPod, simulated_pods
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.simulate.pods import Devices, KubeletPod, simulated_pods
 from gpuid_agent.simulate.process_tree import plan_processes
 from gpuid_agent.simulate.profiles import DRA_PROFILES, PROCESS_PROFILES
 from gpuid_agent.sources.kube.pods import PodDirectory
 from gpuid_agent.sources.nvml.api import NvmlApi
+
+if TYPE_CHECKING:
+    from gpuid_agent.simulate.kubelet import FakeKubelet
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class SimulatedNode:
     async def start(self) -> None:
         if self._dir is None or not isinstance(self.nvml_api, SimulatedNvml):
             return
+        # grpcio only where the simulation serves its own kubelet: a node's agent never loads it
+        from gpuid_agent.simulate.kubelet import FakeKubelet
+
         pods, allocatable = self._pods
         self._kubelet = FakeKubelet(self.pod_resources_socket, pods, allocatable)
         await self._kubelet.start()

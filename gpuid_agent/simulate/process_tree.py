@@ -13,7 +13,7 @@ import uuid as uuidlib
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from gpuid_agent.simulate.kubelet import KubeletPod
+from gpuid_agent.simulate.pods import KubeletPod
 from gpuid_agent.simulate.profiles import SimGpu, SimProcess
 from gpuid_agent.sources.kube.pods import PodMeta
 

@@ -5,10 +5,9 @@ node runs it too; this package adds what only tests need: short socket paths (a 
 path must stay under 108 bytes, which pytest's tmp_path does not promise) and fixtures.
 """
 
-from gpuid_agent.simulate.kubelet import (
-    Behaviour,
+from gpuid_agent.simulate.kubelet import Behaviour, FakeKubelet
+from gpuid_agent.simulate.pods import (
     ClaimDevice,
-    FakeKubelet,
     KubeletClaim,
     KubeletContainer,
     KubeletPod,

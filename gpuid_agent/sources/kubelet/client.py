@@ -1,62 +1,55 @@
-"""A thin grpc.aio client of the kubelet pod-resources v1 API over its unix socket.
+"""A thin client of the kubelet pod-resources v1 API over its unix socket (gRPC calls made by
+`unary`, answers decoded by `wire`).
 
-The channel is dropped after any failure and rebuilt on the next call: gRPC's own reconnect
-backoff (up to minutes) would otherwise delay noticing a kubelet that restarted and recreated
-its socket. A kubelet that restarted between two calls fails neither, so each call also checks
-that the socket is still the one the channel dialled (its inode and change time, as a
-filesystem may give a new socket the inode just freed): a new one is dialled afresh
-and counted in `restarts`, which tells the poller that what it keeps of the old kubelet (its
-allocatable devices) is out of date.
+The connection is dropped after any failure and dialled again on the next call, so a kubelet
+that restarted and recreated its socket is reached at the next poll. A kubelet that restarted
+between two calls fails neither, so each call also checks that the socket is still the one
+dialled (its inode and change time, as a filesystem may give a new socket the inode just
+freed): a new one is dialled afresh and counted in `restarts`, which tells the poller that
+what it keeps of the old kubelet (its allocatable devices) is out of date.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
-
-import grpc
-import grpc.aio
+from collections.abc import Callable
+from typing import TypeVar
 
 from gpuid_agent.runtime.errors import PodResourcesError
-from gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc
+from gpuid_agent.sources.kubelet import wire
+from gpuid_agent.sources.kubelet.unary import CallError, Status, UnaryChannel
 
 # A node with hundreds of pods produces responses far above gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.enable_retries", 0),
-)
-_STUB: Any = api_pb2_grpc.PodResourcesListerStub
+_LIST = "/v1.PodResourcesLister/List"
+_ALLOCATABLE = "/v1.PodResourcesLister/GetAllocatableResources"
+_REASONS: dict[int, str] = {
+    Status.UNAVAILABLE: "unavailable",
+    Status.DEADLINE_EXCEEDED: "deadline_exceeded",
+    Status.UNIMPLEMENTED: "unimplemented",
+    Status.PERMISSION_DENIED: "permission_denied",
+    Status.RESOURCE_EXHAUSTED: "resource_exhausted",
+}
+_Parsed = TypeVar("_Parsed")
 
 
-def _classify(exc: grpc.aio.AioRpcError) -> PodResourcesError:
-    code = exc.code()
-    reasons = {
-        grpc.StatusCode.UNAVAILABLE: "unavailable",
-        grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
-        grpc.StatusCode.UNIMPLEMENTED: "unimplemented",
-        grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
-        grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
-    }
-    reason = reasons.get(code, "rpc_error")
-    details = (exc.details() or "").strip().splitlines()
+def _classify(exc: CallError) -> PodResourcesError:
+    reason = _REASONS.get(exc.status, "rpc_error")
+    details = exc.details.strip().splitlines()
     detail = details[0][:200] if details else ""
-    return PodResourcesError(reason, f"kubelet {code.name}: {detail}".rstrip(": "))
+    return PodResourcesError(reason, f"kubelet {exc.name}: {detail}".rstrip(": "))
 
 
 class PodResourcesClient:
     def __init__(self, socket_path: str, *, timeout: float) -> None:
         self.socket_path = socket_path
-        self._target = f"unix://{os.path.abspath(socket_path)}"
+        self._path = os.path.abspath(socket_path)
         self.timeout = timeout
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
+        self._channel: UnaryChannel | None = None
         self._dialled: tuple[int, int, int] | None = None  # the socket last dialled
         self.restarts = 0  # sockets replaced under this client since it first dialled one
 
-    async def _connect(self) -> Any:
+    async def _connect(self) -> UnaryChannel:
         try:
             found = os.stat(self.socket_path)
         except FileNotFoundError:
@@ -71,47 +64,45 @@ class PodResourcesClient:
                 self.restarts += 1
             self._dialled = socket
             await self.reset()
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
-            self._stub = _STUB(self._channel)
-            # List without the response parsed (no deserializer: the bytes as received)
-            self._stub.ListBytes = self._channel.unary_unary(
-                "/v1.PodResourcesLister/List",
-                request_serializer=api_pb2.ListPodResourcesRequest.SerializeToString,
-                response_deserializer=None,
+        if self._channel is None:
+            self._channel = UnaryChannel(
+                self._path, timeout=self.timeout, max_message_bytes=MAX_MESSAGE_BYTES
             )
-        return self._stub
+        return self._channel
 
-    async def _call(self, method: str, request: Any) -> Any:
-        stub = await self._connect()
+    async def _call(self, method: str) -> bytes:
+        channel = await self._connect()
         try:
-            return await getattr(stub, method)(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
+            return await channel.call(method, b"")  # both requests are empty messages
+        except CallError as exc:
             error = _classify(exc)
             if error.reason != "unimplemented":
                 await self.reset()
             raise error from exc
 
-    async def list(self) -> api_pb2.ListPodResourcesResponse:
-        return api_pb2.ListPodResourcesResponse.FromString(await self.list_bytes())
+    async def list(self) -> wire.ListPodResourcesResponse:
+        return _parsed(wire.parse_list, await self.list_bytes())
 
     async def list_bytes(self) -> bytes:
         """The List answer as the kubelet sent it (parsed by the caller only when it moved)."""
-        answer: bytes = await self._call("ListBytes", api_pb2.ListPodResourcesRequest())
-        return answer
+        return await self._call(_LIST)
 
-    async def allocatable(self) -> api_pb2.AllocatableResourcesResponse:
+    async def allocatable(self) -> wire.AllocatableResourcesResponse:
         """Raises PodResourcesError("unimplemented") on kubelets before 1.21."""
-        response: api_pb2.AllocatableResourcesResponse = await self._call(
-            "GetAllocatableResources", api_pb2.AllocatableResourcesRequest()
-        )
-        return response
+        return _parsed(wire.parse_allocatable, await self._call(_ALLOCATABLE))
 
     async def reset(self) -> None:
-        """Drop the channel; the next call dials the socket afresh."""
-        channel, self._channel, self._stub = self._channel, None, None
+        """Drop the connection; the next call dials the socket afresh."""
+        channel, self._channel = self._channel, None
         if channel is not None:
-            await channel.close(grace=None)
+            await channel.close()
 
     async def close(self) -> None:
         await self.reset()
+
+
+def _parsed(parse: Callable[[bytes], _Parsed], answer: bytes) -> _Parsed:
+    try:
+        return parse(answer)
+    except wire.WireError as exc:
+        raise PodResourcesError("rpc_error", f"kubelet answer not parsable: {exc}") from exc

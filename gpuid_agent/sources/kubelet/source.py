@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
 from gpuid_agent.runtime import log
@@ -24,10 +23,10 @@ from gpuid_agent.runtime.errors import PodResourcesError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import backoff_delay
 from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.sources.kubelet import wire
 from gpuid_agent.sources.kubelet.claims import ClaimAssignment, claims_from
 from gpuid_agent.sources.kubelet.client import PodResourcesClient
 from gpuid_agent.sources.kubelet.devices import ResourceMatcher
-from gpuid_agent.sources.kubelet.v1 import api_pb2
 
 _log = log.get("podresources")
 COMPONENT = "pod-resources"
@@ -200,8 +199,8 @@ class PodResourcesSource:
         if last is not None and last[0] == answer and last[1] is allocatable:
             return last[2]
         try:
-            response = api_pb2.ListPodResourcesResponse.FromString(answer)
-        except DecodeError as exc:
+            response = wire.parse_list(answer)
+        except wire.WireError as exc:
             raise PodResourcesError("rpc_error", "kubelet List answer not parsable") from exc
         snapshot = snapshot_from(response, self.resources, allocatable)
         self._last_parse = (answer, allocatable, snapshot)
