@@ -207,6 +207,8 @@ class SimulatedNvml:
     # ---- faults and health signals -------------------------------------------------------
 
     def _fault(self, gpu: SimGpu, kind: str) -> Fault | None:
+        if not self.faults:
+            return None  # as cheap as the driver's answer: no search on every call
         index = self.gpus.index(gpu)
         elapsed = time.monotonic() - self._t0
         for fault in self.faults:
@@ -305,6 +307,8 @@ class SimulatedNvml:
     def _link_fault(self, gpu: SimGpu, kind: str, link: int) -> Fault | None:
         if not 0 <= link < _NVLINKS:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not self.faults:
+            return None
         index = self.gpus.index(gpu)
         elapsed = time.monotonic() - self._t0
         for fault in self.faults:

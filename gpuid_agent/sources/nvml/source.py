@@ -39,14 +39,15 @@ class _Traced:
         self._api = api
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._api, name)
-        if not callable(attr):
-            return attr
+        api = self._api
+        if not callable(getattr(api, name)):
+            return getattr(api, name)
 
         def traced(*args: Any) -> Any:
             note_call(name)
-            return attr(*args)
+            return getattr(api, name)(*args)
 
+        setattr(self, name, traced)  # kept: later lookups find it without coming here
         return traced
 
 
