@@ -139,6 +139,26 @@ def test_well_formed_answers_read_as_protobuf_reads_them(answer: tuple[str, Any]
     assert ours == KINDS[kind][2](message)
 
 
+@settings(SLOW, max_examples=100)
+@given(st.lists(pods, min_size=1, max_size=6), st.lists(st.lists(st.integers(0, 5)), max_size=4))
+def test_a_decoder_reuses_unchanged_pods(pool: list[Any], picks: list[list[int]]) -> None:
+    """Answers drawn from one pool of pods, read in turn by one decoder (with a damaged one
+    among them): each read as protobuf reads it, a pod seen in the last answer reused."""
+    decoder = wire.ListDecoder()
+    last: dict[bytes, Any] = {}
+    for pick in picks:
+        chosen = [pool[i % len(pool)] for i in pick]
+        data = pb.ListPodResourcesResponse(pod_resources=chosen).SerializeToString()
+        with pytest.raises(wire.WireError):
+            decoder.parse(data + b"\x0a\x05\x0a\x03\xff")
+        ours = decoder.parse(data)
+        assert plain_list(ours) == plain_list(pb.ListPodResourcesResponse.FromString(data))
+        for message, read in zip(chosen, ours.pod_resources, strict=True):
+            raw = message.SerializeToString()
+            assert raw not in last or read is last[raw]
+        last = {m.SerializeToString(): r for m, r in zip(chosen, ours.pod_resources, strict=True)}
+
+
 # ---- hostile bytes -----------------------------------------------------------------------------
 
 
@@ -148,7 +168,9 @@ def merged(draw: st.DrawFn) -> bytes:
     (a singular field's last occurrence wins, repeated fields append)."""
 
     def twice(strategy: st.SearchStrategy[Any]) -> bytes:
-        return b"".join(m.SerializeToString() for m in draw(st.lists(strategy, min_size=2, max_size=2)))
+        return b"".join(
+            m.SerializeToString() for m in draw(st.lists(strategy, min_size=2, max_size=2))
+        )
 
     claim = _ld(4, twice(claim_resources))
     dynamic = _ld(5, twice(st.builds(pb.DynamicResource, claim_name=texts)) + claim)

@@ -83,10 +83,32 @@ class AllocatableResourcesResponse:
 
 def parse_list(data: bytes) -> ListPodResourcesResponse:
     """Decode a `List` answer; WireError if malformed."""
-    try:
-        return _list(data, 0, len(data), _DEPTH)
-    except UnicodeDecodeError:
-        raise WireError("string field is not valid UTF-8") from None
+    return ListDecoder().parse(data)
+
+
+class ListDecoder:
+    """Decodes successive `List` answers of one kubelet, reusing the pods whose bytes are the
+    same as in the previous answer (between two polls most are): a changed answer costs about
+    the pods that changed, not the whole node."""
+
+    def __init__(self) -> None:
+        self._pods: dict[bytes, PodResources] = {}
+
+    def parse(self, data: bytes) -> ListPodResourcesResponse:
+        """Decode `data`; WireError if malformed (what was remembered is then kept)."""
+        known, seen = self._pods, {}
+        pods = []
+        try:
+            for field, start, stop in _fields(data, 0, len(data), _DEPTH):
+                if field == 1:
+                    raw = data[start:stop]
+                    pod = known.get(raw) or _pod(data, start, stop, _DEPTH - 1)
+                    seen[raw] = pod
+                    pods.append(pod)
+        except UnicodeDecodeError:
+            raise WireError("string field is not valid UTF-8") from None
+        self._pods = seen
+        return ListPodResourcesResponse(tuple(pods))
 
 
 def parse_allocatable(data: bytes) -> AllocatableResourcesResponse:
@@ -102,38 +124,34 @@ def parse_allocatable(data: bytes) -> AllocatableResourcesResponse:
 # back to these for the rest.
 
 
+def _short_varint(data: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
+    """A tag or a length: upb reads at most 5 bytes for either."""
+    value = shift = 0
+    for _ in range(5):
+        if pos >= end:
+            raise WireError(f"truncated {what}")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise WireError(f"{what} over 5 bytes")
+
+
 def _tag(data: bytes, pos: int, end: int) -> tuple[int, int]:
-    """A tag of up to 5 bytes whose value fits 32 bits (upb's limits)."""
-    value = shift = 0
-    for _ in range(5):
-        if pos >= end:
-            raise WireError("truncated tag")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            if value > 0xFFFFFFFF:
-                raise WireError("tag over 32 bits")
-            return value, pos
-        shift += 7
-    raise WireError("tag over 5 bytes")
+    tag, pos = _short_varint(data, pos, end, "tag")
+    if tag > 0xFFFFFFFF:
+        raise WireError("tag over 32 bits")
+    return tag, pos
 
 
-def _length(data: bytes, pos: int, end: int) -> tuple[int, int]:
-    """A length prefix (at most 5 bytes) and the position after it; the bytes must be there."""
-    value = shift = 0
-    for _ in range(5):
-        if pos >= end:
-            raise WireError("truncated length")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            if pos + value > end:
-                raise WireError("length past the end")
-            return value, pos
-        shift += 7
-    raise WireError("length over 5 bytes")
+def _span(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """Where the value after a length prefix starts and stops; it must fit."""
+    size, pos = _short_varint(data, pos, end, "length")
+    if pos + size > end:
+        raise WireError("length past the end")
+    return pos, pos + size
 
 
 def _skip_varint(data: bytes, pos: int, end: int) -> int:
@@ -153,9 +171,8 @@ def _skip(data: bytes, pos: int, end: int, tag: int, depth: int) -> int:
     if kind == 0:
         return _skip_varint(data, pos, end)
     if kind == 2:
-        size, pos = _length(data, pos, end)
-        return pos + size
-    if kind == 1 or kind == 5:
+        return _span(data, pos, end)[1]
+    if kind in (1, 5):
         pos += 8 if kind == 1 else 4
         if pos > end:
             raise WireError("truncated fixed-width value")
@@ -163,6 +180,13 @@ def _skip(data: bytes, pos: int, end: int, tag: int, depth: int) -> int:
     if kind == 3:
         return _skip_group(data, pos, end, tag >> 3, depth - 1)
     raise WireError("end of group outside a group" if kind == 4 else f"wire type {kind}")
+
+
+def _skip_field(data: bytes, pos: int, end: int, tag: int, depth: int) -> int:
+    """`_skip` for a field of a message, where field number 0 is refused."""
+    if tag < 8:
+        raise WireError("field number 0")
+    return _skip(data, pos, end, tag, depth)
 
 
 def _skip_group(data: bytes, pos: int, end: int, field: int, depth: int) -> int:
@@ -201,9 +225,8 @@ def _fields(data: bytes, pos: int, end: int, depth: int) -> list[tuple[int, int,
         if tag < 8:
             raise WireError("field number 0")
         if tag & 7 == 2:
-            size, pos = _length(data, pos, end)
-            found.append((tag >> 3, pos, pos + size))
-            pos += size
+            start, pos = _span(data, pos, end)
+            found.append((tag >> 3, start, pos))
         else:
             pos = _skip(data, pos, end, tag, depth)
     return found
@@ -263,13 +286,31 @@ def _dynamic_resource(data: bytes, pos: int, end: int, depth: int) -> DynamicRes
 def _devices(data: bytes, pos: int, end: int, depth: int) -> ContainerDevices:
     resource = ""
     ids: list[str] = []
-    for field, start, stop in _fields(data, pos, end, depth):
-        if field == 1:
-            resource = data[start:stop].decode()
-        elif field == 2:
-            ids.append(data[start:stop].decode())
-        elif field == 3:
-            _check_topology(data, start, stop, depth - 1)
+    while pos < end:
+        tag = data[pos]
+        pos += 1
+        if tag > 0x7F:
+            tag, pos = _tag(data, pos - 1, end)
+        if tag & 7 != 2:
+            pos = _skip_field(data, pos, end, tag, depth)
+            continue
+        size = data[pos] if pos < end else 0x80
+        if size < 0x80:
+            pos += 1
+            stop = pos + size
+            if stop > end:
+                raise WireError("length past the end")
+        else:
+            pos, stop = _span(data, pos, end)
+        if tag == 18:
+            ids.append(data[pos:stop].decode())
+        elif tag == 10:
+            resource = data[pos:stop].decode()
+        elif tag == 26:
+            _check_topology(data, pos, stop, depth - 1)
+        elif tag < 8:
+            raise WireError("field number 0")
+        pos = stop
     return ContainerDevices(resource, tuple(ids))
 
 
@@ -277,36 +318,67 @@ def _container(data: bytes, pos: int, end: int, depth: int) -> ContainerResource
     name = ""
     devices: list[ContainerDevices] = []
     claims: list[DynamicResource] = []
-    for field, start, stop in _fields(data, pos, end, depth):
-        if field == 1:
-            name = data[start:stop].decode()
-        elif field == 2:
-            devices.append(_devices(data, start, stop, depth - 1))
-        elif field == 3:
-            _check_packed(data, start, stop)
-        elif field == 4:
-            _check_memory(data, start, stop, depth - 1)
-        elif field == 5:
-            claims.append(_dynamic_resource(data, start, stop, depth - 1))
+    while pos < end:
+        tag = data[pos]
+        pos += 1
+        if tag > 0x7F:
+            tag, pos = _tag(data, pos - 1, end)
+        if tag & 7 != 2:
+            pos = _skip_field(data, pos, end, tag, depth)
+            continue
+        size = data[pos] if pos < end else 0x80
+        if size < 0x80:
+            pos += 1
+            stop = pos + size
+            if stop > end:
+                raise WireError("length past the end")
+        else:
+            pos, stop = _span(data, pos, end)
+        if tag == 10:
+            name = data[pos:stop].decode()
+        elif tag == 18:
+            devices.append(_devices(data, pos, stop, depth - 1))
+        elif tag == 26:
+            _check_packed(data, pos, stop)
+        elif tag == 34:
+            _check_memory(data, pos, stop, depth - 1)
+        elif tag == 42:
+            claims.append(_dynamic_resource(data, pos, stop, depth - 1))
+        elif tag < 8:
+            raise WireError("field number 0")
+        pos = stop
     return ContainerResources(name, tuple(devices), tuple(claims))
 
 
 def _pod(data: bytes, pos: int, end: int, depth: int) -> PodResources:
     name = namespace = ""
     containers: list[ContainerResources] = []
-    for field, start, stop in _fields(data, pos, end, depth):
-        if field == 1:
-            name = data[start:stop].decode()
-        elif field == 2:
-            namespace = data[start:stop].decode()
-        elif field == 3:
-            containers.append(_container(data, start, stop, depth - 1))
+    while pos < end:
+        tag = data[pos]
+        pos += 1
+        if tag > 0x7F:
+            tag, pos = _tag(data, pos - 1, end)
+        if tag & 7 != 2:
+            pos = _skip_field(data, pos, end, tag, depth)
+            continue
+        size = data[pos] if pos < end else 0x80
+        if size < 0x80:
+            pos += 1
+            stop = pos + size
+            if stop > end:
+                raise WireError("length past the end")
+        else:
+            pos, stop = _span(data, pos, end)
+        if tag == 10:
+            name = data[pos:stop].decode()
+        elif tag == 18:
+            namespace = data[pos:stop].decode()
+        elif tag == 26:
+            containers.append(_container(data, pos, stop, depth - 1))
+        elif tag < 8:
+            raise WireError("field number 0")
+        pos = stop
     return PodResources(name, namespace, tuple(containers))
-
-
-def _list(data: bytes, pos: int, end: int, depth: int) -> ListPodResourcesResponse:
-    pods = [_pod(data, a, b, depth - 1) for f, a, b in _fields(data, pos, end, depth) if f == 1]
-    return ListPodResourcesResponse(tuple(pods))
 
 
 def _allocatable(data: bytes, pos: int, end: int, depth: int) -> AllocatableResourcesResponse:
