@@ -43,7 +43,7 @@ PODS = 1024
 DEFAULTS = {"SIMULATE": "h100x8", "NODE_NAME": NODE, "EXPORTER_TYPE": "stdout", "PYTHONPATH": ROOT}
 
 # The libraries the agent holds anyway; each option's cost is measured on top of them.
-_BASE = "import aiohttp, grpc, orjson, prometheus_client, pydantic, yaml"
+_BASE = "import aiohttp, orjson, prometheus_client, pydantic, yaml"
 _OPTIONS = {
     "whole package (import kubernetes_asyncio)": "import kubernetes_asyncio",
     "config/auth + generated API classes": (
@@ -52,6 +52,15 @@ _OPTIONS = {
     ),
     "config/auth + own JSON requests (used)": (
         "from gpuid_agent.sources.kube import library; library.load()"
+    ),
+}
+# The kubelet client's cost the same way: the agent's own, and grpcio with the generated stubs.
+_KUBELET_OPTIONS = {
+    "kubelet client: own HTTP/2 + wire decoder (used)": (
+        "from gpuid_agent.sources.kubelet import client"
+    ),
+    "kubelet client: grpcio + protobuf stubs": (
+        "import grpc.aio\nfrom gpuid_agent.sources.kubelet.v1 import api_pb2, api_pb2_grpc"
     ),
 }
 _MEASURE = """
@@ -67,24 +76,31 @@ gc.collect()
 print(rss() - before, len(sys.modules) - modules, before)
 """
 _IDLE = "import asyncio; asyncio.run(asyncio.sleep(86400))"
-# The agent's kubelet client in a process of its own: CPU of an open channel polled every
-# `every` seconds (0: never polled; -1: no client at all, the floor), over `seconds`.
-_GRPC = """
+# A kubelet client in a process of its own: CPU of a connection polled every `every` seconds
+# (0: dialled once, never polled again; -1: no client at all, the floor), over `seconds`. The
+# agent's own client, or a grpcio channel making the same call (what the agent used before).
+_POLL = """
 import asyncio, os, sys, time
-from gpuid_agent.sources.kubelet.client import PodResourcesClient
-async def main(socket, every, seconds):
+async def main(kind, socket, every, seconds):
+    if kind == "grpcio":
+        import grpc.aio
+        channel = grpc.aio.insecure_channel("unix://" + socket)
+        call = channel.unary_unary("/v1.PodResourcesLister/List")
+        poll = lambda: call(b"", timeout=5)
+    else:
+        from gpuid_agent.sources.kubelet.client import PodResourcesClient
+        poll = PodResourcesClient(socket, timeout=5).list_bytes
     if every >= 0:
-        client = PodResourcesClient(socket, timeout=5)
-        await client.list_bytes()
+        await poll()
     every = max(every, 0)
     await asyncio.sleep(2)
     used, started = sum(os.times()[:2]), time.monotonic()
     while time.monotonic() - started < seconds:
         if every:
-            await client.list_bytes()
+            await poll()
         await asyncio.sleep(every or 1.0)
     print((sum(os.times()[:2]) - used) / (time.monotonic() - started) * 100)
-asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])))
 """
 _IMPORT_FLOOR = """
 import sys, time
@@ -148,12 +164,13 @@ def _by_thread(before: dict[str, float], after: dict[str, float], elapsed: float
 
 def client_options() -> list[Row]:
     rows = []
-    for name, option in _OPTIONS.items():
+    for name, option in (_OPTIONS | _KUBELET_OPTIONS).items():
         proc = _python(_MEASURE.format(base=_BASE, option=option), out=subprocess.PIPE)
         out, _ = proc.communicate(timeout=120)
         added, modules, floor = out.split()
         note = f"+{int(modules)} modules over {float(floor):.1f} MiB with the other libraries"
-        rows.append(Row("footprint", f"API client: {name}", float(added), "MiB added", note))
+        label = name if name.startswith("kubelet") else f"API client: {name}"
+        rows.append(Row("footprint", label, float(added), "MiB added", note))
     return rows
 
 
@@ -330,25 +347,25 @@ async def healthz_rows() -> list[Row]:
     return rows
 
 
-def grpc_rows(socket: str) -> list[Row]:
-    """What the kubelet client's gRPC costs idle: a channel left open, polled at the default
-    POD_RESOURCES_INTERVAL, and the same with GRPC_POLL_STRATEGY=poll; all at once."""
+def kubelet_client_rows(socket: str) -> list[Row]:
+    """What polling the kubelet costs idle: the agent's client at the default
+    POD_RESOURCES_INTERVAL, dialled but not polled, and grpcio making the same calls."""
     cases = {
-        "floor": ("-1", {}),
-        "gRPC channel open, not polled": ("0", {}),
-        "gRPC channel polled every 2 s": ("2", {}),
-        "gRPC polled every 2 s, GRPC_POLL_STRATEGY=poll": ("2", {"GRPC_POLL_STRATEGY": "poll"}),
+        "floor": ("own", "-1"),
+        "kubelet client dialled, not polled": ("own", "0"),
+        "kubelet client polled every 2 s": ("own", "2"),
+        "grpcio channel polled every 2 s (the client before)": ("grpcio", "2"),
     }
     seconds = str(CPU_SECONDS)
     env = {**os.environ, "PYTHONPATH": ROOT}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-c", _GRPC, socket, every, seconds],
-            env=env | extra,
+            [sys.executable, "-c", _POLL, kind, socket, every, seconds],
+            env=env,
             stdout=subprocess.PIPE,
             text=True,
         )
-        for name, (every, extra) in cases.items()
+        for name, (kind, every) in cases.items()
     }
     used = {
         name: float(proc.communicate(timeout=CPU_SECONDS + 60)[0]) for name, proc in procs.items()
@@ -374,7 +391,7 @@ async def run() -> list[Row]:
                 off = {"KUBE_API": "off", "POD_RESOURCES_SOCKET": socket}
                 rows += await _soak(off, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
                 rows.append(await _cpu_at_1s(api))
-            rows += grpc_rows(socket)
+            rows += kubelet_client_rows(socket)
         finally:
             kubelet.terminate()
             kubelet.wait(10)

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuid_agent.sources.kubelet.unary import CallError, Status, UnaryChannel
+from gpuid_agent.runtime.errors import GrpcCallError
+from gpuid_agent.sources.kubelet.unary import Status, UnaryChannel
 from gpuid_agent.sources.kubelet.v1 import api_pb2
 from tests.fakekubelet import FakeKubelet, pod
 from tests.test_kube_api_imports import _imported, _ready, _start
@@ -65,14 +66,14 @@ async def test_answers_and_server_statuses(kubelet: FakeKubelet) -> None:
     try:
         answer = api_pb2.ListPodResourcesResponse.FromString(await channel.call(LIST, b""))
         assert [p.name for p in answer.pod_resources] == ["p"]
-        with pytest.raises(CallError) as missing:
+        with pytest.raises(GrpcCallError) as missing:
             await channel.call("/v1.PodResourcesLister/GetAllocatableResources", b"")
         assert missing.value.status == Status.UNIMPLEMENTED
-        with pytest.raises(CallError) as unknown:
+        with pytest.raises(GrpcCallError) as unknown:
             await channel.call("/v1.PodResourcesLister/NoSuchMethod", b"")
         assert unknown.value.status == Status.UNIMPLEMENTED
         kubelet.behaviour.fail["List"] = grpc.StatusCode.PERMISSION_DENIED
-        with pytest.raises(CallError) as denied:
+        with pytest.raises(GrpcCallError) as denied:
             await channel.call(LIST, b"")
         assert (denied.value.name, denied.value.details) == (
             "PERMISSION_DENIED",
@@ -107,7 +108,7 @@ async def test_deadline_then_the_next_call_answers(kubelet: FakeKubelet) -> None
     kubelet.behaviour.delay["List"] = 3.0
     channel = _channel(kubelet.socket_path, timeout=0.3)
     try:
-        with pytest.raises(CallError) as late:
+        with pytest.raises(GrpcCallError) as late:
             await channel.call(LIST, b"")
         assert late.value.status == Status.DEADLINE_EXCEEDED
         kubelet.behaviour.delay.clear()
@@ -120,7 +121,7 @@ async def test_an_answer_over_the_limit_is_refused(kubelet: FakeKubelet) -> None
     kubelet.pods = [pod("ns", f"p{i}", "c", "nvidia.com/gpu", f"GPU-{i}") for i in range(3000)]
     small, large = _channel(kubelet.socket_path, limit=10_000), _channel(kubelet.socket_path)
     try:
-        with pytest.raises(CallError) as refused:
+        with pytest.raises(GrpcCallError) as refused:
             await small.call(LIST, b"")
         assert refused.value.status == Status.RESOURCE_EXHAUSTED
         answer = api_pb2.ListPodResourcesResponse.FromString(await large.call(LIST, b""))
@@ -132,7 +133,7 @@ async def test_an_answer_over_the_limit_is_refused(kubelet: FakeKubelet) -> None
 
 async def test_no_socket_is_unavailable(tmp_path: Path) -> None:
     channel = _channel(str(tmp_path / "absent.sock"))
-    with pytest.raises(CallError) as absent:
+    with pytest.raises(GrpcCallError) as absent:
         await channel.call(LIST, b"")
     assert absent.value.status == Status.UNAVAILABLE
 
@@ -227,7 +228,7 @@ async def test_a_misbehaving_server_is_a_clear_error(tmp_path: Path, case: str) 
     async with h2_server(path, respond):
         channel = _channel(path, timeout=1.0)
         try:
-            with pytest.raises(CallError) as failed:
+            with pytest.raises(GrpcCallError) as failed:
                 await channel.call(LIST, b"")
         finally:
             await channel.close()
@@ -245,7 +246,7 @@ def test_any_bytes_from_the_server_are_survived(tmp_path: Path, junk: bytes) -> 
         async with h2_server(path, junk):
             channel = _channel(path, timeout=1.0)
             try:
-                with pytest.raises(CallError):
+                with pytest.raises(GrpcCallError):
                     await channel.call(LIST, b"")
             finally:
                 await channel.close()

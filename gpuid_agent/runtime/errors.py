@@ -9,6 +9,9 @@
     │   └── GpuLostError           a GPU answered "lost" or "reset required"
     ├── SourceError
     │   ├── PodResourcesError      the kubelet's pod-resources socket could not be asked
+    │   ├── GrpcCallError          a gRPC call to the kubelet ended without status OK
+    │   ├── PodResourcesDecodeError   a kubelet answer that is no well-formed message
+    │   │                          (also a ValueError)
     │   ├── DeviceIdError          a kubelet device id of no known form (also a ValueError)
     │   ├── KubeConfigError        a Kubernetes configuration that cannot be used
     │   └── KubeApiError           the API server answered with an error status
@@ -75,6 +78,23 @@ class PodResourcesError(SourceError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class GrpcCallError(SourceError):
+    """A gRPC call that did not end with status OK: `status` is the gRPC code (`status_name`
+    its name), `details` the server's message or ours, `unsent` true when the connection
+    failed before any answer began (a read may then be tried again)."""
+
+    def __init__(self, status: int, status_name: str, details: str, unsent: bool) -> None:
+        super().__init__(f"{status_name}: {details}")
+        self.status = status
+        self.name = status_name
+        self.details = details
+        self.unsent = unsent
+
+
+class PodResourcesDecodeError(SourceError, ValueError):
+    """A kubelet answer that is not a well-formed message; the text never quotes it."""
 
 
 class DeviceIdError(SourceError, ValueError):

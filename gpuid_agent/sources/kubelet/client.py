@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from gpuid_agent.runtime.errors import PodResourcesError
+from gpuid_agent.runtime.errors import GrpcCallError, PodResourcesError
 from gpuid_agent.sources.kubelet import wire
-from gpuid_agent.sources.kubelet.unary import CallError, Status, UnaryChannel
+from gpuid_agent.sources.kubelet.unary import Status, UnaryChannel
 
 # A node with hundreds of pods produces responses far above gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -33,7 +33,7 @@ _REASONS: dict[int, str] = {
 _Parsed = TypeVar("_Parsed")
 
 
-def _classify(exc: CallError) -> PodResourcesError:
+def _classify(exc: GrpcCallError) -> PodResourcesError:
     reason = _REASONS.get(exc.status, "rpc_error")
     details = exc.details.strip().splitlines()
     detail = details[0][:200] if details else ""
@@ -74,7 +74,7 @@ class PodResourcesClient:
         channel = await self._connect()
         try:
             return await channel.call(method, b"")  # both requests are empty messages
-        except CallError as exc:
+        except GrpcCallError as exc:
             error = _classify(exc)
             if error.reason != "unimplemented":
                 await self.reset()

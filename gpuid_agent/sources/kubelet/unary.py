@@ -26,6 +26,8 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from gpuid_agent.runtime.errors import GrpcCallError
+
 _READ_CHUNK = 256 * 1024
 _WINDOW = 2**31 - 1  # the largest flow-control window: never stall a large answer
 _PREFIX = struct.Struct(">BI")  # gRPC message framing: compressed flag, length
@@ -47,22 +49,10 @@ class Status(IntEnum):
     UNAUTHENTICATED = 16
 
 
-class CallError(Exception):
-    """A call that did not end with status OK; `details` is the server's message or ours."""
-
-    def __init__(self, status: int, details: str, *, unsent: bool = False) -> None:
-        super().__init__(f"{_name(status)}: {details}")
-        self.status = status
-        self.details = details
-        self.unsent = unsent  # the connection failed before any answer began
-
-    @property
-    def name(self) -> str:
-        return _name(self.status)
-
-
-def _name(status: int) -> str:
-    return Status(status).name if status in Status._value2member_map_ else f"STATUS_{status}"
+def _call_error(status: int, details: str, *, unsent: bool = False) -> GrpcCallError:
+    """The error of a call that did not end with status OK."""
+    name = Status(status).name if status in Status._value2member_map_ else f"STATUS_{status}"
+    return GrpcCallError(status, name, details, unsent)
 
 
 # The gRPC spec's mapping for answers that carry no grpc-status of their own.
@@ -111,13 +101,13 @@ class UnaryChannel:
                     reused = self._reused
                     try:
                         return await self._attempt(method, request)
-                    except CallError as exc:
+                    except GrpcCallError as exc:
                         if not (exc.unsent and reused):
                             raise
                     return await self._attempt(method, request)
             except TimeoutError:
                 await self._drop()
-                raise CallError(
+                raise _call_error(
                     Status.DEADLINE_EXCEEDED, f"no answer within {timeout:g}s"
                 ) from None
 
@@ -133,12 +123,12 @@ class UnaryChannel:
             conn = await self._connection()
             stream = self._send(conn, method, request)
             await self._receive(conn, stream, answer)
-        except CallError:
+        except GrpcCallError:
             await self._drop()  # the connection's own failure: the next call dials afresh
             raise
         except (OSError, h2.exceptions.H2Error) as exc:
             await self._drop()
-            raise CallError(
+            raise _call_error(
                 Status.UNAVAILABLE, f"connection failed: {exc}", unsent=answer.headers is None
             ) from exc
         self._reused = True
@@ -153,9 +143,9 @@ class UnaryChannel:
                 self.socket_path, limit=_READ_CHUNK
             )
         except PermissionError as exc:
-            raise CallError(Status.PERMISSION_DENIED, f"cannot connect: {exc.strerror}") from exc
+            raise _call_error(Status.PERMISSION_DENIED, f"cannot connect: {exc.strerror}") from exc
         except OSError as exc:
-            raise CallError(Status.UNAVAILABLE, f"cannot connect: {exc.strerror or exc}") from exc
+            raise _call_error(Status.UNAVAILABLE, f"cannot connect: {exc.strerror or exc}") from exc
         conn = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=True, header_encoding=None)
         )
@@ -199,13 +189,13 @@ class UnaryChannel:
         while not answer.ended:
             data = await self._reader.read(_READ_CHUNK)
             if not data:
-                raise CallError(
+                raise _call_error(
                     Status.UNAVAILABLE, "connection closed", unsent=answer.headers is None
                 )
             for event in conn.receive_data(data):
                 self._handle(conn, event, stream, answer)
             if len(answer.body) > limit:
-                raise CallError(
+                raise _call_error(
                     Status.RESOURCE_EXHAUSTED,
                     f"answer larger than {self.max_message_bytes} bytes",
                 )
@@ -216,7 +206,7 @@ class UnaryChannel:
     ) -> None:
         if isinstance(event, h2.events.ConnectionTerminated):
             unsent = answer.headers is None
-            raise CallError(Status.UNAVAILABLE, "server closed the connection", unsent=unsent)
+            raise _call_error(Status.UNAVAILABLE, "server closed the connection", unsent=unsent)
         if getattr(event, "stream_id", stream) != stream:
             return
         if isinstance(event, h2.events.ResponseReceived):
@@ -232,7 +222,7 @@ class UnaryChannel:
             code = event.error_code
             refused = code == h2.errors.ErrorCodes.REFUSED_STREAM
             status = Status.UNAVAILABLE if refused else Status.INTERNAL
-            raise CallError(status, f"stream reset by the server ({code!s})", unsent=refused)
+            raise _call_error(status, f"stream reset by the server ({code!s})", unsent=refused)
 
     def _message(self, answer: _Answer) -> bytes:
         """The one message of a finished answer, or the call's error."""
@@ -242,21 +232,21 @@ class UnaryChannel:
         if found is None:
             code = int(http) if http.isdigit() else 0
             mapped = Status.INTERNAL if code == 200 else _HTTP_STATUS.get(code, Status.UNKNOWN)
-            raise CallError(mapped, f"answer without a gRPC status (HTTP {code})")
+            raise _call_error(mapped, f"answer without a gRPC status (HTTP {code})")
         if not found.isdigit():
-            raise CallError(Status.INTERNAL, "malformed grpc-status")
+            raise _call_error(Status.INTERNAL, "malformed grpc-status")
         status = int(found)
         if status != Status.OK:
             text = answer.trailers.get(b"grpc-message", headers.get(b"grpc-message", b""))
-            raise CallError(status, unquote(text.decode("utf-8", "replace")))
+            raise _call_error(status, unquote(text.decode("utf-8", "replace")))
         body = answer.body
         if len(body) < _PREFIX.size:
-            raise CallError(Status.INTERNAL, "status OK without a message")
+            raise _call_error(Status.INTERNAL, "status OK without a message")
         compressed, length = _PREFIX.unpack_from(body)
         if compressed:
-            raise CallError(Status.INTERNAL, "compressed message (none was asked for)")
+            raise _call_error(Status.INTERNAL, "compressed message (none was asked for)")
         if len(body) != _PREFIX.size + length:
-            raise CallError(Status.INTERNAL, "message length does not match its frame")
+            raise _call_error(Status.INTERNAL, "message length does not match its frame")
         return bytes(body[_PREFIX.size :])
 
     def _flush(self) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuid_agent.runtime.errors import PodResourcesDecodeError
+
 _DEPTH = 100  # upb's default nesting limit: messages and groups together
 
 
-class WireError(ValueError):
-    """The bytes are not a well-formed message of the expected type."""
+# The bytes are not a well-formed message of the expected type.
+WireError = PodResourcesDecodeError
 
 
 @dataclass(frozen=True, slots=True)
