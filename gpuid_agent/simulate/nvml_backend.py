@@ -189,8 +189,8 @@ class SimulatedNvml:
 
     def total_energy_mj(self, handle: Any) -> int:
         gpu = self._gpu(handle)
-        # ≈ the integral of power_usage_mw's average draw, growing from a per-GPU offset
-        return 10**9 * (gpu.minor_number + 1) + round(390 * (time.monotonic() - self._t0) * 1000)
+        # ≈ power_usage_mw's average draw integrated since boot: a restarted agent reads on
+        return 10**9 * (gpu.minor_number + 1) + round(390 * time.monotonic() * 1000)
 
     def clock_mhz(self, handle: Any, clock: int) -> int:
         gpu = self._gpu(handle)
