@@ -203,7 +203,7 @@ class Listener:
         for sock in sockets:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
         self._sweep_every = min(1.0, idle_timeout / 4)
-        self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
+        self._sweeping: asyncio.TimerHandle | None = None  # only while connections are open
 
     @property
     def open_connections(self) -> int:
@@ -213,6 +213,8 @@ class Listener:
     def opened(self, connection: Connection) -> None:
         connection.last_active = self._loop.time()
         self._open[connection] = None
+        if self._sweeping is None:
+            self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
         self.metrics.connections.set(len(self._open))
 
     def closed(self, connection: Connection) -> None:
@@ -324,12 +326,15 @@ class Listener:
             if connection.transport is not None:
                 connection.transport.abort()
         self.metrics.connections.set(len(self._open))
-        self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
+        self._sweeping = None
+        if self._open:
+            self._sweeping = self._loop.call_later(self._sweep_every, self._sweep)
 
     def close(self) -> None:
         """Stop accepting, close the connections that never sent a byte; aiohttp's runner
         closes the others."""
-        self._sweeping.cancel()
+        if self._sweeping is not None:
+            self._sweeping.cancel()
         for connection in list(self._open):
             if connection.inner is None and connection.transport is not None:
                 connection.transport.abort()
