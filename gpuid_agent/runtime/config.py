@@ -226,7 +226,7 @@ class Settings(OtelSettings):
     pod_resources_socket: str = Field(
         "/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet pod-resources socket."
     )
-    pod_resources_interval: PositiveDuration = Field(2.0, description="pod-resources poll period.")
+    pod_resources_interval: PositiveDuration = Field(5.0, description="pod-resources poll period.")
     pod_resources_timeout: PositiveDuration = Field(
         5.0, description="Deadline of one kubelet pod-resources call."
     )
