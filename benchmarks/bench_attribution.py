@@ -18,7 +18,7 @@ import aiohttp
 from benchmarks.agentproc import free_port, load, start_agent, start_static, stop, wait_http
 from benchmarks.common import Row, median, percentile
 from benchmarks.kubelet_server import shared_pods
-from gpuid_agent.simulate.kubelet import FakeKubelet
+from gpuid_agent.simulate.kubelet import FakeKubelet, list_response
 from gpuid_agent.simulate.pods import KubeletPod, pod
 from gpuid_agent.simulate.profiles import PROFILES
 from gpuid_agent.sources.kubelet import wire
@@ -59,25 +59,7 @@ async def _until_in_body(url: str, needle: bytes, within: float = 30.0) -> float
 
 def list_answer(pods: list[KubeletPod]) -> bytes:
     """The bytes of a List answer naming `pods`, as the kubelet would send them."""
-    return api_pb2.ListPodResourcesResponse(
-        pod_resources=[
-            api_pb2.PodResources(
-                name=p.name,
-                namespace=p.namespace,
-                containers=[
-                    api_pb2.ContainerResources(
-                        name=c.name,
-                        devices=[
-                            api_pb2.ContainerDevices(resource_name=r, device_ids=ids)
-                            for r, ids in c.devices
-                        ],
-                    )
-                    for c in p.containers
-                ],
-            )
-            for p in pods
-        ]
-    ).SerializeToString()
+    return list_response(pods).SerializeToString()
 
 
 def parse_rows(pods: int = 1024, rounds: int = 40) -> list[Row]:

@@ -39,6 +39,11 @@ def _claim_message(claim: KubeletClaim) -> api_pb2.DynamicResource:
     )
 
 
+def list_response(pods: Iterable[KubeletPod]) -> api_pb2.ListPodResourcesResponse:
+    """The List answer naming `pods`, as the kubelet sends it."""
+    return api_pb2.ListPodResourcesResponse(pod_resources=[_message(p) for p in pods])
+
+
 def _message(p: KubeletPod) -> api_pb2.PodResources:
     return api_pb2.PodResources(
         name=p.name,
@@ -84,9 +89,7 @@ class _Servicer(_BASE):  # type: ignore[misc]
 
     async def List(self, request: Any, context: Any) -> api_pb2.ListPodResourcesResponse:  # noqa: N802
         await self._enter("List", context)
-        return api_pb2.ListPodResourcesResponse(
-            pod_resources=[_message(p) for p in self._kubelet.pods]
-        )
+        return list_response(self._kubelet.pods)
 
     async def GetAllocatableResources(  # noqa: N802
         self, request: Any, context: Any
