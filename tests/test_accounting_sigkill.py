@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-import subprocess
-import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 
 from gpuid_agent.simulate.profiles import gb200x4
+from tests.agent_subprocess import start_agent
 from tests.fakekubelet import FakeKubelet, pod
 from tests.servers.receiver import Receiver
 from tests.waiting import eventually
@@ -71,25 +70,16 @@ async def test_usage_survives_sigkill_mid_allocation(
     }
     log = tmp_path / "agent.log"
 
-    def start() -> subprocess.Popen[bytes]:
-        with open(log, "ab") as err:
-            return subprocess.Popen(
-                [sys.executable, "-m", "gpuid_agent", "run", "--simulate", "gb200x4"],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-
     def usage() -> list[dict[str, Any]]:
         return [r for r in allocation_records(receiver).values() if r["event"] == "usage"]
 
-    proc = start()
+    proc = start_agent(env, log)
     try:
         await eventually(lambda: len(usage()) >= 1, within=60, what="a usage record")
         proc.send_signal(signal.SIGKILL)  # mid-allocation, mid-period
         assert await asyncio.to_thread(proc.wait, 10) == -signal.SIGKILL
         await asyncio.sleep(1.0)  # down for a while: the allocation goes on
-        proc = start()
+        proc = start_agent(env, log)
         before = len(usage())
         await eventually(lambda: len(usage()) > before, within=60, what="usage after restart")
         kubelet.pods = []

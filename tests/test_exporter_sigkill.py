@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import asyncpg
 
+from tests.agent_subprocess import start_agent
 from tests.exporter_support import spool_files, spooled_record_ids
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver, Reply
@@ -25,16 +24,6 @@ def spooled_ids(spool: Path) -> set[str]:
         for path in spool_files(spool / exporter)
         for record_id in spooled_record_ids(path)
     }
-
-
-def agent(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gpuid_agent", "run", "--simulate", "gb200x4"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
 
 
 async def test_sigkill_mid_batch_then_restart_loses_nothing(
@@ -67,7 +56,7 @@ async def test_sigkill_mid_batch_then_restart_loses_nothing(
     log = tmp_path / "agent.log"
     db = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
     locker = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
-    first = agent(env, log)
+    first = start_agent(env, log)
     try:
 
         async def rows() -> int:
@@ -104,7 +93,7 @@ async def test_sigkill_mid_batch_then_restart_loses_nothing(
     must_arrive = held | sent | stored_before
 
     receiver.default = Reply(200)
-    second = agent(env, log)
+    second = start_agent(env, log)
     try:
 
         async def all_stored() -> bool:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from gpuid_agent.delivery.store import MemoryBatches
 from gpuid_agent.records.serialize import to_wire
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.metrics import AgentMetrics
+from tests.agent_subprocess import start_agent
 from tests.exporter_support import readings, spool_files, spooled_record_ids
 from tests.servers.otlp import OtlpReceiver
 from tests.servers.receiver import Receiver, Reply
@@ -198,16 +197,6 @@ def test_a_fed_backlog_is_counted_whole_and_taken_a_window_at_a_time() -> None:
     assert len(index) == 1 and index.records == 5
 
 
-def _agent(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gpuid_agent", "run", "--simulate", "gb200x4"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-
-
 async def test_sigterm_mid_drain_leaves_the_rest_whole_and_restart_sends_each_once(
     receiver: Receiver, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
@@ -225,7 +214,7 @@ async def test_sigterm_mid_drain_leaves_the_rest_whole_and_restart_sends_each_on
     }
     receiver.default = Reply(delay=1.0)  # a slow sink: the drain takes longer than the grace
     log = tmp_path / "agent.log"
-    agent = _agent(env, log)
+    agent = start_agent(env, log)
     try:
         await eventually(lambda: receiver.requests, within=30)
         asked = time.monotonic()
@@ -246,7 +235,7 @@ async def test_sigterm_mid_drain_leaves_the_rest_whole_and_restart_sends_each_on
     assert len(receiver.requests) == len([r for r in receiver.requests if r.status == 200])
 
     receiver.default = Reply()
-    again = _agent(env, log)
+    again = start_agent(env, log)
     try:
         await eventually(lambda: set(old) <= receiver.accepted_ids(), within=30)
     finally:

@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from gpuid_agent.state.bus import SnapshotBus
 from gpuid_agent.state.inventory import build_inventory
 from gpuid_agent.state.snapshot import NodeSnapshot
 from gpuid_agent.state.state_file import StateDir
+from tests.agent_subprocess import start_agent
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.servers.postgres import PostgresCluster
 from tests.servers.receiver import Receiver
@@ -117,16 +117,6 @@ class Truth:
         ]
 
 
-def agent(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gpuid_agent", "run", "--simulate", "gb200x4"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-
-
 def state_file_keys(state_dir: Path) -> set[Key]:
     try:
         state = orjson.loads((state_dir / "allocations.json").read_bytes())
@@ -189,7 +179,7 @@ async def test_allocation_trail_survives_repeated_sigkill(
     async def start() -> None:
         nonlocal proc
         truth.runs.append((truth.calls, None))
-        proc = agent(env, log)
+        proc = start_agent(env, log)
         before = truth.calls
         await eventually(lambda: truth.calls > before, within=30, what="a poll of the kubelet")
 
