@@ -1,6 +1,6 @@
 """Pod attribution: /gpu/metrics scrape latency with 8 GPUs x 16 pods vs 0 pods vs a static
-handler (same run, interleaved), time from a pod appearing in the kubelet to its labels, and
-the cost of reading a 1,024-pod List answer with the stdlib decoder vs protobuf (upb)."""
+handler (same run, interleaved), and time from a pod appearing in the kubelet to its labels.
+Reading the kubelet's List answer is measured by bench_kubelet_decode."""
 
 from __future__ import annotations
 
@@ -9,22 +9,15 @@ import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from benchmarks.agentproc import free_port, load, start_agent, start_static, stop, wait_http
 from benchmarks.common import Row, median, percentile
-from benchmarks.kubelet_server import shared_pods
-from gpuid_agent.simulate.kubelet import FakeKubelet, list_response
+from gpuid_agent.simulate.kubelet import FakeKubelet
 from gpuid_agent.simulate.pods import KubeletPod, pod
 from gpuid_agent.simulate.profiles import PROFILES
-from gpuid_agent.sources.kubelet import wire
-from gpuid_agent.sources.kubelet.devices import ResourceMatcher
-from gpuid_agent.sources.kubelet.source import snapshot_from
-from gpuid_agent.sources.kubelet.v1 import api_pb2
 
 NODE = "bench-node"
 PODS_PER_GPU = 16
@@ -55,59 +48,6 @@ async def _until_in_body(url: str, needle: bytes, within: float = 30.0) -> float
                     return time.perf_counter() - started
             await asyncio.sleep(0.01)
     raise TimeoutError(needle.decode())
-
-
-def list_answer(pods: list[KubeletPod]) -> bytes:
-    """The bytes of a List answer naming `pods`, as the kubelet would send them."""
-    return list_response(pods).SerializeToString()
-
-
-def parse_rows(pods: int = 1024, rounds: int = 40) -> list[Row]:
-    """Decoding one List answer, each way in turn (interleaved: load drift hits both)."""
-    served = shared_pods(NODE, pods)[0]
-    data = list_answer(served)
-    # the next answer: one pod gone, one new; a decoder that read the previous one reads it
-    moved = list_answer([*served[1:], pod("bench", "new", "c", "nvidia.com/gpu", "GPU-x::0")])
-    upb = api_pb2.ListPodResourcesResponse.FromString
-    matches = ResourceMatcher()
-    decoder = wire.ListDecoder()
-
-    def next_answer() -> None:
-        decoder.parse(data)
-        started = time.perf_counter()
-        decoder.parse(moved)
-        took["wire, 1 pod changed"].append(time.perf_counter() - started)
-
-    ways: dict[str, Callable[[], Any]] = {
-        "wire": lambda: wire.parse_list(data),
-        "upb": lambda: upb(data),
-        "wire+snapshot": lambda: snapshot_from(wire.parse_list(data), matches),
-        "upb+snapshot": lambda: snapshot_from(upb(data), matches),
-    }
-    took: dict[str, list[float]] = {name: [] for name in [*ways, "wire, 1 pod changed"]}
-    for _ in range(rounds):
-        for name, way in ways.items():
-            started = time.perf_counter()
-            way()
-            took[name].append(time.perf_counter() - started)
-        next_answer()
-    ms = {name: median(values) * 1000 for name, values in took.items()}
-    what = f"parse List, {pods:,} pods"
-    note = f"{len(data) // 1024} KiB answer, median of {rounds}"
-    return [
-        Row("attribution", f"{what}: wire.py", ms["wire"], "ms", note),
-        Row("attribution", f"{what}: protobuf (upb)", ms["upb"], "ms", note),
-        Row("attribution", f"{what}: wire.py / upb", ms["wire"] / ms["upb"], "x", ""),
-        Row(
-            "attribution",
-            f"{what}, 1 pod changed: wire.ListDecoder",
-            ms["wire, 1 pod changed"],
-            "ms",
-            "the pods of the previous answer reused",
-        ),
-        Row("attribution", f"{what} + snapshot_from: wire.py", ms["wire+snapshot"], "ms", note),
-        Row("attribution", f"{what} + snapshot_from: upb", ms["upb+snapshot"], "ms", note),
-    ]
 
 
 def _ms(values: list[float], pct: float) -> float:
@@ -228,4 +168,4 @@ async def run() -> list[Row]:
             f"goal ≤ {(INTERVAL + 1) * 1000:g} ms",
         ),
     ]
-    return rows + parse_rows()
+    return rows

@@ -17,8 +17,9 @@ node's ResourceSlices (attribute `uuid`), or for a full GPU from the minor numbe
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gpuid_agent.runtime.errors import DeviceIdError
 from gpuid_agent.sources.kubelet.devices import check_id_text, id_number
@@ -83,32 +84,33 @@ class ClaimAssignment:
         return f"{base}/{self.share_id}" if self.share_id else base
 
 
-def claims_from(response: object) -> tuple[tuple[ClaimAssignment, ...], frozenset[str]]:
-    """GPU devices of every container's DRA claims in a List response, and the other
-    drivers' names seen (ignored)."""
+def claims_from(
+    containers: Iterable[tuple[str, str, str, Iterable[Any]]],
+) -> tuple[tuple[ClaimAssignment, ...], frozenset[str]]:
+    """GPU devices of the DRA claims of each (namespace, pod, container, its
+    `dynamic_resources`) of a List response, and the other drivers' names seen (ignored)."""
     found: set[ClaimAssignment] = set()
     ignored: set[str] = set()
-    for pod in getattr(response, "pod_resources", ()):
-        for container in pod.containers:
-            for claim in container.dynamic_resources:
-                for resource in claim.claim_resources:
-                    if resource.driver_name not in GPU_DRIVERS:
-                        ignored.add(resource.driver_name[:100])
-                        continue
-                    share = resource.share_id if resource.HasField("share_id") else None
-                    found.add(
-                        ClaimAssignment(
-                            pod.namespace,
-                            pod.name,
-                            container.name,
-                            claim.claim_namespace or pod.namespace,
-                            claim.claim_name,
-                            resource.driver_name,
-                            resource.pool_name,
-                            resource.device_name,
-                            share or None,
-                        )
+    for namespace, pod, container, dynamic in containers:
+        for claim in dynamic:
+            for resource in claim.claim_resources:
+                if resource.driver_name not in GPU_DRIVERS:
+                    ignored.add(resource.driver_name[:100])
+                    continue
+                share = resource.share_id if resource.HasField("share_id") else None
+                found.add(
+                    ClaimAssignment(
+                        namespace,
+                        pod,
+                        container,
+                        claim.claim_namespace or namespace,
+                        claim.claim_name,
+                        resource.driver_name,
+                        resource.pool_name,
+                        resource.device_name,
+                        share or None,
                     )
+                )
     ordered = sorted(
         found,
         key=lambda c: (c.namespace, c.pod, c.container, c.claim_name, c.driver, c.device_id),

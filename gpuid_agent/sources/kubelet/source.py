@@ -60,14 +60,20 @@ def snapshot_from(
     response: Any, matches: ResourceMatcher, allocatable: Any = None
 ) -> PodResourcesSnapshot:
     """Keep the devices of GPU resources from a List (and GetAllocatableResources) response."""
-    assignments = [
-        DeviceAssignment(pod.namespace, pod.name, container.name, devices.resource_name, dev_id)
-        for pod in response.pod_resources
-        for container in pod.containers
-        for devices in container.devices
-        if matches(devices.resource_name)
-        for dev_id in devices.device_ids
-    ]
+    # One walk, each field read once: on protobuf messages every read builds a Python object.
+    found: set[tuple[str, str, str, str, str]] = set()
+    claimed: list[tuple[str, str, str, Any]] = []
+    for pod in response.pod_resources:
+        namespace, name = pod.namespace, pod.name
+        for container in pod.containers:
+            container_name = container.name
+            for devices in container.devices:
+                resource = devices.resource_name
+                if matches(resource):
+                    for dev_id in devices.device_ids:
+                        found.add((namespace, name, container_name, resource, dev_id))
+            if dynamic := container.dynamic_resources:
+                claimed.append((namespace, name, container_name, dynamic))
     free = None
     if allocatable is not None:
         free = tuple(
@@ -78,18 +84,14 @@ def snapshot_from(
                 for dev_id in devices.device_ids
             )
         )
-    claims, ignored = claims_from(response)
+    claims, ignored = claims_from(claimed)
     return PodResourcesSnapshot(
-        assignments=tuple(sorted(set(assignments), key=_assignment_key)),
+        assignments=tuple(DeviceAssignment(*a) for a in sorted(found)),  # in field order
         allocatable=free,
         pods=len(response.pod_resources),
         claims=claims,
         ignored_drivers=ignored,
     )
-
-
-def _assignment_key(a: DeviceAssignment) -> tuple[str, ...]:
-    return (a.namespace, a.pod, a.container, a.resource_name, a.device_id)
 
 
 class PodResourcesSource:
