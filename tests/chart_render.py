@@ -91,10 +91,12 @@ def render(
     *,
     kube_version: str | None = None,
     api_versions: Iterable[str] = (),
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
 ) -> Rendered:
     """Render offline. helm-python-sdk 0.2.2's Chart.render does not forward kube_version
     and api_versions, which its native render call accepts; call that directly."""
-    opts: dict[str, Any] = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True}
+    opts: dict[str, Any] = {"name": release, "namespace": namespace, "is_install": True}
     if kube_version:
         opts["kube_version"] = f"v{kube_version.removeprefix('v')}"
     if api_versions:

@@ -15,8 +15,9 @@ from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.config_load import load_settings
 from gpuid_agent.state.health.verdicts import NodeHealth
 
-# The real servers the exporter tests run against (PostgreSQL, moto S3, an HTTP receiver).
-pytest_plugins = ["tests.servers.fixtures"]
+# The real servers the tests run against (PostgreSQL, moto S3, an HTTP receiver; etcd,
+# kube-apiserver and the kubelet's pod-resources server built from Go modules).
+pytest_plugins = ["tests.servers.fixtures", "tests.realkube.fixtures"]
 # tests/image/ runs in `nox -s image`, against the image that session builds and names.
 collect_ignore = [] if os.environ.get("GPUID_AGENT_IMAGE") else ["image"]
 
