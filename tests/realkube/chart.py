@@ -169,14 +169,22 @@ def agent_identity(
     return AgentIdentity(node_name, created, token, kubeconfig, cluster.as_token(token))
 
 
-def wait_policy_enforced(identity: AgentIdentity, other_node: str, timeout: float = 30.0) -> None:
-    """Until the admission policy refuses `identity` a dry-run label on `other_node` (a policy
+PROBE_NODE = "policy-probe"
+
+
+def wait_policy_enforced(cluster: KubeCluster, identity: AgentIdentity, timeout: float = 30.0) -> None:
+    """Until the admission policy refuses `identity` a dry-run label on another Node (a policy
     takes effect once the API server's informer has it and its binding)."""
+    try:
+        cluster.admin.create("/api/v1/nodes", node(PROBE_NODE))
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
     deadline = time.monotonic() + timeout
     while True:
         try:
             identity.client.strategic_patch(
-                f"/api/v1/nodes/{other_node}?dryRun=All",
+                f"/api/v1/nodes/{PROBE_NODE}?dryRun=All",
                 {"metadata": {"labels": {"gpuid.github.com/probe": "x"}}},
             )
         except ApiError as exc:

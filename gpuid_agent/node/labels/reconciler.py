@@ -38,6 +38,15 @@ _HINTS = {
     "not_found": "NODE_NAME must be this Node's name (downward API spec.nodeName)",
     "invalid": "the API server rejected a label or annotation value",
 }
+# A 403 from an admission policy is no RBAC gap: the chart's own-node policy refuses any Node
+# but the one named in the pod's token, so NODE_NAME names another node.
+_POLICY_HINT = "an admission policy refused the patch: NODE_NAME must be the node this pod runs on"
+
+
+def _hint(failure: Failure) -> str | None:
+    if failure.reason == "forbidden" and "AdmissionPolicy" in failure.detail:
+        return _POLICY_HINT
+    return _HINTS.get(failure.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,12 +280,13 @@ class NodeLabeler:
         self.last_failure = failure
         self.metrics.in_sync.set(0)
         reason = f"{failure.reason}: {failure.detail}"
-        if self.board.set(COMPONENT, "degraded", reason) and failure.reason in _HINTS:
+        hint = _hint(failure)
+        if self.board.set(COMPONENT, "degraded", reason) and hint:
             _log.warning(
                 "labelling retried at the next resync",
                 extra={
                     "node": self.node,
-                    "hint": _HINTS[failure.reason],
+                    "hint": hint,
                     "resync_seconds": self.resync_interval,
                 },
             )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -140,6 +140,22 @@ def api_error(status: int, body: bytes, headers: Mapping[str, str] | None = None
     )
 
 
+WARNINGS_REMEMBERED = 64  # distinct warning texts logged once each; past that, no more logged
+
+
+def warning_texts(headers: Any) -> list[str]:
+    """The texts of an answer's `Warning` headers (`299 - "text"`, RFC 7234), as the API
+    server sends them for deprecated APIs and for admission policies in Warn mode."""
+    found = headers.getall("Warning", []) if hasattr(headers, "getall") else []
+    texts = []
+    for value in found:
+        code, _, rest = str(value).partition(" ")
+        _agent, _, quoted = rest.partition(" ")
+        text = quoted.strip().removeprefix('"').removesuffix('"') if code.isdigit() else value
+        texts.append(text.replace('\\"', '"')[:500])
+    return texts
+
+
 def request_counter(counter: Counter) -> Observer:
     """An observer counting requests in `counter` (AgentMetrics.kube_api_requests)."""
 
@@ -157,6 +173,7 @@ class KubeClient:
     api: Any  # kubernetes_asyncio ApiClient
     source: str
     observer: Observer | None = None
+    warned: set[str] = field(default_factory=set)
 
     @property
     def host(self) -> str:
@@ -192,6 +209,7 @@ class KubeClient:
                 _request_timeout=within,
             )
             code = str(resp.status)
+            self._log_warnings(method, path, query, resp.headers)
             return resp
         except TimeoutError:
             code = "timeout"
@@ -202,6 +220,19 @@ class KubeClient:
         finally:
             if self.observer is not None:
                 self.observer(*describe_request(method, path, query), code)
+
+    def _log_warnings(self, method: str, path: str, query: Query, headers: Any) -> None:
+        """Log each distinct warning the API server returns once: a Warn-mode admission policy
+        answers every resync the same way, and one line says it."""
+        for text in warning_texts(headers):
+            if text in self.warned or len(self.warned) >= WARNINGS_REMEMBERED:
+                continue
+            self.warned.add(text)
+            verb, resource = describe_request(method, path, query)
+            _log.warning(
+                "the API server warned about a request",
+                extra={"verb": verb, "resource": resource, "warning": text},
+            )
 
     async def request_json(
         self, method: str, path: str, *, query: Query = (), body: Any = None, within: float
