@@ -118,14 +118,13 @@ async def test_agent_told_another_node_is_refused_and_says_why(
 
 async def test_warn_mode_lets_the_patch_through_and_the_agent_logs_the_warning_once(
     kube_cluster: KubeCluster,
-    kube_version: str,
     other_node: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpuid_agent")
-    chart = render_for(kube_version, chart_values(("Warn",)), release="gpuid-warn", namespace="gpu-warn")
+    chart = render_for(kube_cluster, chart_values(("Warn",)), release="gpuid-warn", namespace="gpu-warn")
     identity = agent_identity(kube_cluster, install(kube_cluster.admin, chart), unique("node"), tmp_path)
     # Warn mode refuses nothing: wait until the warning comes back instead.
     def warned() -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.chart_render import ADMISSION_POLICY, NAMESPACE, RELEASE, Rendered, render
+from tests.chart_render import NAMESPACE, RELEASE, Rendered, render
 from tests.realkube.cluster import ApiError, Client, KubeCluster, collection_path
 from tests.realkube.objects import ensure_namespace, node
 
@@ -61,17 +61,18 @@ class Installed:
 
 
 def render_for(
-    cluster_version: str,
+    cluster: KubeCluster,
     values: dict[str, Any],
     *,
     release: str = RELEASE,
     namespace: str = NAMESPACE,
 ) -> Installed:
-    """The chart as `helm install <release> -n <namespace>` renders it for this cluster."""
+    """The chart as `helm install <release> -n <namespace>` renders it for this cluster: its
+    version and the APIs its discovery reports."""
     rendered = render(
         values,
-        kube_version=cluster_version,
-        api_versions=[ADMISSION_POLICY],
+        kube_version=str(cluster.admin.get("/version")["gitVersion"]),
+        api_versions=cluster.api_versions(),
         release=release,
         namespace=namespace,
     )

@@ -217,6 +217,21 @@ class KubeCluster:
         self.admin_cert = (admin_cert, admin_key)
         self.wait_ready(self.admin)
 
+    def api_versions(self) -> list[str]:
+        """What Helm's discovery reports as Capabilities.APIVersions: every served
+        group/version, and group/version/Kind for each of its kinds."""
+        found: list[str] = []
+        versions = ["v1"]
+        for group in self.admin.get("/apis")["groups"]:
+            versions += [v["groupVersion"] for v in group["versions"]]
+        for version in versions:
+            found.append(version)
+            base = "/api/v1" if version == "v1" else f"/apis/{version}"
+            for resource in self.admin.get(base)["resources"]:
+                if "/" not in resource["name"]:
+                    found.append(f"{version}/{resource['kind']}")
+        return found
+
     def as_token(self, token: str) -> Client:
         """A client that trusts the cluster's CA and authenticates with `token` only."""
         return Client(self.url, ssl.create_default_context(cafile=str(self.ca_path)), token)

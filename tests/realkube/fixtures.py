@@ -41,23 +41,18 @@ def kube_cluster() -> Iterator[KubeCluster]:
 
 
 @pytest.fixture(scope="session")
-def kube_version(kube_cluster: KubeCluster) -> str:
-    return str(kube_cluster.admin.get("/version")["gitVersion"]).lstrip("v")
-
-
-@pytest.fixture(scope="session")
-def chart_installed(kube_cluster: KubeCluster, kube_version: str) -> Installed:
+def chart_installed(kube_cluster: KubeCluster) -> Installed:
     """The chart's ServiceAccount, RBAC and own-node policy (Deny), as `helm install` applies
-    them with default values."""
-    return install(kube_cluster.admin, render_for(kube_version, chart_values()))
+    them with default values, rendered for this cluster's version and APIs."""
+    return install(kube_cluster.admin, render_for(kube_cluster, chart_values()))
 
 
 @pytest.fixture(scope="session")
-def chart_with_conditions(kube_cluster: KubeCluster, kube_version: str) -> Installed:
+def chart_with_conditions(kube_cluster: KubeCluster) -> Installed:
     """A second release (its own namespace, ServiceAccount and ClusterRole) with
     health.nodeConditions on, which adds `patch nodes/status` to its role."""
     values = chart_values(health={"nodeConditions": True})
-    chart = render_for(kube_version, values, release="gpuid-health", namespace="gpu-health")
+    chart = render_for(kube_cluster, values, release="gpuid-health", namespace="gpu-health")
     return install(kube_cluster.admin, chart)
 
 
