@@ -6,13 +6,16 @@ imports it into the local image store, and builds the project's Dockerfile on it
 image reference on the last line of stdout.
 
 The stand-in base replaces `python:3.11-slim-bookworm` (the Dockerfile's default), which
-needs a registry: Debian's own python3 from the same release, the only difference being the
-interpreter's path (/usr/bin, not /usr/local/bin), which the venv records.
+needs a registry: Debian's own python3 from the same release. The differences are the
+interpreter's path (/usr/bin, not /usr/local/bin), which the venv records, and its pip:
+Debian's python3-pip on an interpreter marked externally managed (PEP 668), which the final
+stage must remove with apt, where the default base's pip uninstalls itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -23,11 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"buildah": "buildah", "podman": "podman", "runc": "runc", "mmdebstrap": "mmdebstrap"}
-# Packages of the stand-in base: the interpreter and venv support only (no pip: the
-# Dockerfile's build stage takes pip from ensurepip into its venv).
-BASE_PACKAGES = "python3,python3-venv,python-is-python3,ca-certificates"
+# Packages of the stand-in base: the interpreter, venv support, and Debian's own pip, which
+# the Dockerfile's build stage does not use (its venv takes pip from ensurepip) and its final
+# stage must remove from an externally managed (PEP 668) interpreter.
+BASE_PACKAGES = "python3,python3-venv,python3-pip,python-is-python3,ca-certificates"
 BASE_SUITE = "bookworm"
-BASE_IMAGE = f"localhost/gpuid-agent-base:{BASE_SUITE}"
+# The tag and the cached tarball name the package list: another list builds another base.
+BASE_KEY = f"{BASE_SUITE}-{hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:8]}"
+BASE_IMAGE = f"localhost/gpuid-agent-base:{BASE_KEY}"
 IMAGE = "localhost/gpuid-agent:dev"
 # crun refuses hybrid cgroup hosts and raising RLIMIT_NOFILE/NPROC is not always permitted:
 # a private containers.conf instead of editing /etc.
@@ -117,7 +123,7 @@ def ensure_base() -> str:
     containers.conf, so a cleaned image store only re-imports it."""
     if image_exists(BASE_IMAGE):
         return BASE_IMAGE
-    tarball = cache_dir() / f"base-{BASE_SUITE}.tar"
+    tarball = cache_dir() / f"base-{BASE_KEY}.tar"
     if not tarball.exists():
         partial = tarball.with_suffix(".partial.tar")
         run(

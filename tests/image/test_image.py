@@ -42,6 +42,21 @@ async def test_final_stage_has_no_pip_and_no_compiler(image: str) -> None:
     assert "No module named pip" in out and "NO-PIP" in out, out
 
 
+async def test_the_base_interpreter_has_no_pip_and_its_packages_are_consistent(image: str) -> None:
+    """The base's own pip is gone too (on the stand-in, Debian's python3-pip: purged with apt,
+    so dpkg no longer lists it), and dpkg has nothing half-removed."""
+    script = (
+        'home=$(sed -n "s/^home = //p" /opt/gpuid-agent/pyvenv.cfg);'
+        ' "$home/python3" -c "import pip" 2>&1 || echo BASE-NO-PIP;'
+        " if command -v dpkg-query >/dev/null; then"
+        " dpkg-query --search '*/pip/__init__.py' 2>&1 || echo DPKG-NO-PIP;"
+        " dpkg --audit && echo DPKG-CONSISTENT; fi"
+    )
+    _, out = await podman("run", "--rm", "--entrypoint", "sh", image, "-c", script)
+    assert "No module named 'pip'" in out and "BASE-NO-PIP" in out, out
+    assert "DPKG-NO-PIP" in out and "DPKG-CONSISTENT" in out, out
+
+
 async def test_version_and_check_config(image: str) -> None:
     _, out = await podman("run", "--rm", *HARDENED, image, "--version")
     assert out.strip() == f"gpuid-agent {__version__}"
