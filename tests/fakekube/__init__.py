@@ -8,6 +8,7 @@ kubernetes_asyncio client via a kubeconfig.
         kube.inject(429, verb="patch", retry_after=2, times=1)       # next matching request
         kube.inject(verb="get", delay=5)                             # a stall (client timeout)
         kube.inject(410, verb="watch")                               # watch answered Expired
+        kube.inject(verb="watch", as_list=True, times=3)             # watch=true ignored
         kube.expire_watches(); kube.close_watches(); kube.bookmark()
         kube.count("patch"); kube.requests                          # the request log
 

@@ -5,7 +5,8 @@ It speaks the wire protocol the real client (kubernetes_asyncio) speaks: typed p
 with fieldSelector/labelSelector/limit/continue, WATCH as a stream of JSON lines with
 resourceVersion resumption and 410 Expired, PATCH in the three patch formats with optimistic
 concurrency, and `Status` error bodies. Faults (any status, Retry-After, stalls, hangs, dropped
-connections) are injected for the next N matching requests, and every request is logged.
+connections, a watch answered with a list) are injected for the next N matching requests, and
+every request is logged.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Fault:
     delay: stall this long before answering. hang: never answer (until the server stops).
     drop: close the connection without an answer. path: exact path, or a compiled regex.
     body: answer 200 with these bytes as they are (a malformed reply).
+    as_list: answer a watch with the list, as a server that ignores `watch=true` would.
     """
 
     status: int | None = None
@@ -121,6 +123,7 @@ class Fault:
     reason: str | None = None
     message: str | None = None
     body: bytes | None = None
+    as_list: bool = False
     hits: int = 0
 
     def matches(self, method: str, verb: str, path: str) -> bool:
@@ -357,6 +360,7 @@ class FakeKube:
         reason: str | None = None,
         message: str | None = None,
         body: bytes | None = None,
+        as_list: bool = False,
     ) -> Fault:
         fault = Fault(
             status=status,
@@ -371,6 +375,7 @@ class FakeKube:
             reason=reason,
             message=message,
             body=body,
+            as_list=as_list,
         )
         self.faults.append(fault)
         return fault
@@ -513,6 +518,7 @@ class FakeKube:
             and target.resource.version not in self.resource_versions
         ):
             raise StatusError(404, "the server could not find the requested resource")
+        verb = "list" if fault is not None and fault.as_list else record.verb
         handler = {
             "get": self._get,
             "list": self._list,
@@ -521,7 +527,7 @@ class FakeKube:
             "update": self._update,
             "create": self._create,
             "delete": self._delete,
-        }.get(record.verb)
+        }.get(verb)
         if handler is None:
             raise StatusError(
                 405, "the server does not allow this method on the requested resource"

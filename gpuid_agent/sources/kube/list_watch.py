@@ -7,6 +7,12 @@ again at once; a resourceVersion the server refuses (400) or a resource it no lo
 cached objects kept. Each watch event is unwrapped here (ERROR events end the watch, odd ones
 are reported and skipped, every resourceVersion is tracked), so the cache only ever sees an
 ADDED, MODIFIED or DELETED object.
+
+Malformed data (a watch line that is not JSON or too long, an event without an object or of no
+known type, a list where events belong, an item naming no object) is counted by the cache and
+logged at most once per reason a minute, the next line saying how many were suppressed. A
+watch that brought nothing but malformed data, or ended at once, is retried after the same
+backoff as a failure; a good event resets it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, watch_events
 
 ABSENT_RETRY_SECONDS = 600.0  # a resource not served (no resource.k8s.io): look again now and then
+MALFORMED_LOG_EVERY = 60.0  # one log line per reason of malformed data in this many seconds
 _FAILURES = (KubeApiError, aiohttp.ClientError, TimeoutError, ValueError)
 
 
@@ -66,8 +73,36 @@ class Followed(Protocol):
         ...
 
     def malformed(self, what: str) -> None:
-        """A watch line, event or listed item was skipped."""
+        """A watch line, event or listed item was skipped: count it (`ListWatch.skipped`,
+        through which every skip is reported, calls this and does the logging)."""
         ...
+
+
+class MalformedLog:
+    """Warns of malformed data at most once per reason (`what`) per MALFORMED_LOG_EVERY
+    seconds: a server sending the same bad data in a loop must not flood the log. The next
+    line of a reason says how many of it were suppressed; the cache's count has them all."""
+
+    def __init__(
+        self, logger: logging.Logger, what: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._log = logger
+        self._what = what
+        self._clock = clock
+        self._logged: dict[str, float] = {}  # reason → when last logged
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, reason: str) -> None:
+        now = self._clock()
+        last = self._logged.get(reason)
+        if last is not None and now - last < MALFORMED_LOG_EVERY:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+            return
+        self._logged[reason] = now
+        extra: dict[str, Any] = {"what": reason}
+        if suppressed := self._suppressed.pop(reason, 0):
+            extra["suppressed"] = suppressed
+        self._log.warning("malformed %s data skipped", self._what, extra=extra)
 
 
 class ListWatch:
@@ -90,7 +125,9 @@ class ListWatch:
         self._log = logger
         self._timeout = timeout
         self._watch_timeout = watch_timeout
-        self._backoff_max = backoff_max
+        self._backoff = Backoff(base=1.0, cap=backoff_max)
+        self._log_malformed = MalformedLog(logger, what)
+        self._skipped = 0  # malformed data reported so far: a watch compares it before and after
         self._client: KubeClient | None = None
         self._path: str | None = None  # the collection last listed: the one watched
         self.resource_version: str | None = None  # None: list (again) before watching
@@ -104,8 +141,15 @@ class ListWatch:
         self._client, self._path = client, path
         return listed
 
+    def skipped(self, what: str) -> None:
+        """Malformed data passed over (by this loop or by the cache): counted by the cache,
+        logged at most once per reason a minute."""
+        self._skipped += 1
+        self._target.malformed(what)
+        self._log_malformed(what)
+
     async def run(self) -> None:
-        backoff = Backoff(base=1.0, cap=self._backoff_max)
+        backoff = self._backoff
         while True:
             try:
                 if self.resource_version is None:
@@ -114,10 +158,16 @@ class ListWatch:
                         await asyncio.sleep(ABSENT_RETRY_SECONDS)
                         continue
                     self.resource_version = listed_at
-                started = time.monotonic()
-                await self._watch()
+                started, skipped = time.monotonic(), self._skipped
+                good = await self._watch()
+                at_once = time.monotonic() - started < 1.0
+                if not good and (at_once or self._skipped > skipped):
+                    # A server ignoring watch=true, or sending only garbage: no better on a
+                    # prompt retry, so back off as after a failure.
+                    await asyncio.sleep(backoff.next())
+                    continue
                 backoff.reset()
-                if time.monotonic() - started < 1.0:
+                if at_once:
                     await asyncio.sleep(1.0)  # a server ending every watch at once: no spin
             except _FAILURES as exc:
                 status = exc.status if isinstance(exc, KubeApiError) else None
@@ -130,8 +180,9 @@ class ListWatch:
                 self._target.failed(exc)
                 await asyncio.sleep(backoff.next())
 
-    async def _watch(self) -> None:
-        """Follow events until the server ends the watch; a 410 raises KubeApiError(410)."""
+    async def _watch(self) -> int:
+        """Follow events until the server ends the watch; how many were good (a 410 raises
+        KubeApiError(410))."""
         assert self._client is not None, "a list comes first"
         assert self._path is not None
         query: list[tuple[str, Any]] = [
@@ -145,16 +196,24 @@ class ListWatch:
         resp = await self._client.send(
             "GET", self._path, query=query, within=self._watch_timeout + self._timeout
         )
-        malformed = self._target.malformed
-        async with contextlib.aclosing(watch_events(resp, self.what, malformed)) as events:
+        good = 0
+        async with contextlib.aclosing(watch_events(resp, self.what, self.skipped)) as events:
             async for event in events:
-                await self._event(event)
+                if await self._event(event):
+                    good += 1
+                    self._backoff.reset()
+        return good
 
-    async def _event(self, event: Any) -> None:
+    async def _event(self, event: Any) -> bool:
+        """Hand one event on; True when it was good (nothing in it malformed)."""
+        skipped = self._skipped
         obj = event.get("object") if isinstance(event, Mapping) else None
         if not isinstance(obj, Mapping):
-            self._target.malformed(f"{self.what} watch event without an object")
-            return
+            if isinstance(event, Mapping) and "items" in event:
+                self.skipped(f"{self.what} watch answered with a list (watch=true ignored)")
+            else:
+                self.skipped(f"{self.what} watch event without an object")
+            return False
         kind = event.get("type")
         if kind == "ERROR":
             code = obj.get("code")
@@ -163,11 +222,12 @@ class ListWatch:
         if kind in ("ADDED", "MODIFIED", "DELETED"):
             await self._target.apply(kind, obj)
         elif kind != "BOOKMARK":
-            self._target.malformed(f"{self.what} watch event of no known type")
+            self.skipped(f"{self.what} watch event of no known type")
         # A skipped event's resourceVersion still counts: resuming must not replay it.
         if version := object_version(obj):
             self.resource_version = version
         self._target.synced()
+        return self._skipped == skipped
 
 
 def failure_reason(exc: Exception, resource: str) -> str:

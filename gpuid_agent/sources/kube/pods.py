@@ -7,8 +7,8 @@ and DaemonSet own their pods directly) and cached by owner UID. `lookup` is a di
 API call ever happens on behalf of a scrape. Without API access (no configuration, RBAC
 forbids it) the cache says so on /status, is `ready` anyway, and attribution carries on from
 the kubelet alone. Malformed list items and watch events are counted
-(`gpuid_pod_cache_malformed_total`), logged and skipped; a list reply that is no PodList
-leaves the cached pods in place.
+(`gpuid_pod_cache_malformed_total`), logged (once a minute per reason) and skipped; a list
+reply that is no PodList leaves the cached pods in place.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class PodCache:
         for raw in items:
             meta = await self._meta(raw)
             if meta is None:
-                self.malformed("pod list item without a name and namespace")
+                lister.skipped("pod list item without a name and namespace")
             else:
                 pods[(meta.namespace, meta.name)] = meta
         for key in self._pods.keys() - pods.keys():
@@ -231,14 +231,14 @@ class PodCache:
         if kind == "DELETED":
             gone = _key(obj.get("metadata"))
             if gone is None:
-                self.malformed("pod DELETED event without a name and namespace")
+                self._follow.skipped("pod DELETED event without a name and namespace")
             else:
                 self._tombstone(gone)
                 self._changed()
             return
         meta = await self._meta(obj)
         if meta is None:
-            self.malformed(f"pod {kind} event without a name and namespace")
+            self._follow.skipped(f"pod {kind} event without a name and namespace")
         elif self._pods.get(key := (meta.namespace, meta.name)) != meta:
             self._pods[key] = meta
             self._by_uid = None
@@ -259,7 +259,6 @@ class PodCache:
 
     def malformed(self, what: str) -> None:
         self._metrics.pod_cache_malformed.inc()
-        _log.warning("malformed pod data skipped", extra={"what": what})
 
     def _tombstone(self, key: tuple[str, str]) -> None:
         now = time.monotonic()

@@ -135,6 +135,7 @@ class ResourceSliceCache:
         self._origin: str | None = None  # slices not from the API (a simulated node)
         self.last_error: str | None = None
         self._changes = 0
+        self._malformed = 0  # watch lines and events skipped (ListWatch logs them)
 
     # ---- what consumers read ---------------------------------------------------------------
 
@@ -165,6 +166,7 @@ class ResourceSliceCache:
             "devices": len(self._index),
             "with_uuid": sum(1 for d in self._index.values() if d.uuid),
             "resource_version": self._follow.resource_version,
+            "malformed": self._malformed,
             "last_error": self.last_error,
         }
 
@@ -248,7 +250,7 @@ class ResourceSliceCache:
             _log.warning("resourceslice cache degraded", extra={"error": self.last_error})
 
     def malformed(self, what: str) -> None:
-        _log.warning("%s: skipped", what)
+        self._malformed += 1
 
     def _set_available(self, available: bool) -> None:
         if available != self._available:
