@@ -151,10 +151,18 @@ def agent_identity(
         },
     )
     token = answer["status"]["token"]
-    directory.mkdir(parents=True, exist_ok=True)
-    kubeconfig = directory / "kubeconfig"
-    cluster_entry = {"server": cluster.url, "certificate-authority": str(cluster.ca_path)}
-    kubeconfig.write_text(
+    kubeconfig = write_kubeconfig(directory / "kubeconfig", cluster.url, cluster.ca_path, token)
+    return AgentIdentity(node_name, created, token, kubeconfig, cluster.as_token(token))
+
+
+PROBE_NODE = "policy-probe"
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> Path:
+    """A kubeconfig that authenticates with `token` alone (what in-cluster configuration is)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cluster_entry = {"server": server, "certificate-authority": str(ca)}
+    path.write_text(
         json.dumps(
             {
                 "apiVersion": "v1",
@@ -166,11 +174,8 @@ def agent_identity(
             }
         )
     )
-    kubeconfig.chmod(0o600)
-    return AgentIdentity(node_name, created, token, kubeconfig, cluster.as_token(token))
-
-
-PROBE_NODE = "policy-probe"
+    path.chmod(0o600)
+    return path
 
 
 def wait_policy_enforced(cluster: KubeCluster, identity: AgentIdentity, timeout: float = 30.0) -> None:

@@ -86,3 +86,39 @@ def create_pod(admin: Client, obj: dict[str, Any], *, phase: str = "Running") ->
     path = f"/api/v1/namespaces/{namespace}/pods/{obj['metadata']['name']}/status"
     admin.merge_patch(path, {"status": status})
     return created
+
+
+_API_VERSIONS = {
+    "Deployment": "apps/v1",
+    "ReplicaSet": "apps/v1",
+    "StatefulSet": "apps/v1",
+    "DaemonSet": "apps/v1",
+    "Job": "batch/v1",
+    "CronJob": "batch/v1",
+}
+
+
+def workload(admin: Client, obj: dict[str, Any]) -> dict[str, Any]:
+    """Create a workload object built by `tests.fakekube.objects` on the real server: its
+    apiVersion set, and the restart policy a Job's pods must have."""
+    real = {"apiVersion": _API_VERSIONS[obj["kind"]], **obj}
+    spec = real["spec"]
+    template = spec.get("template") or spec.get("jobTemplate", {}).get("spec", {}).get("template")
+    if obj["kind"] in ("Job", "CronJob") and template is not None:
+        template["spec"]["restartPolicy"] = "Never"
+    namespace = real["metadata"].get("namespace", "default")
+    ensure_namespace(admin, namespace)
+    group = _API_VERSIONS[obj["kind"]]
+    plural = obj["kind"].lower() + "s"
+    return admin.create(f"/apis/{group}/namespaces/{namespace}/{plural}", real)  # type: ignore[no-any-return]
+
+
+def remove_pod(admin: Client, namespace: str, name: str) -> None:
+    """Delete a pod as it ends on a node: a pod bound to a node only gets a deletionTimestamp
+    until its kubelet confirms the containers stopped (a delete with no grace), which no
+    kubelet does here."""
+    admin.request(
+        "DELETE",
+        f"/api/v1/namespaces/{namespace}/pods/{name}",
+        {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
+    )
