@@ -56,7 +56,7 @@ _OPTIONS = {
 }
 # The kubelet client's cost the same way: the agent's own, and grpcio with the generated stubs.
 _KUBELET_OPTIONS = {
-    "kubelet client: own HTTP/2 + wire decoder (used)": (
+    "kubelet client: own HTTP/2 + protobuf (upb) messages (used)": (
         "from gpuid_agent.sources.kubelet import client"
     ),
     "kubelet client: grpcio + protobuf stubs": (

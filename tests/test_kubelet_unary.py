@@ -257,12 +257,12 @@ def test_any_bytes_from_the_server_are_survived(tmp_path: Path, junk: bytes) -> 
 # ---- what a real node's agent loads -------------------------------------------------------
 
 
-async def test_a_node_agent_loads_neither_grpcio_nor_protobuf(
+async def test_a_node_agent_loads_protobuf_but_not_grpcio(
     tmp_path: Path, subprocess_env: dict[str, str], kubelet: FakeKubelet
 ) -> None:
-    """With the kubelet outside the agent (a real node), the agent attributes its pods without
-    importing grpcio or protobuf; the simulation serving its own kubelet imports both, which
-    shows the import log would catch them."""
+    """With the kubelet outside the agent (a real node), the agent attributes its pods with
+    protobuf's parser but without importing grpcio; the simulation serving its own kubelet
+    imports grpcio, which shows the import log would catch it."""
     kubelet.pods = [pod("ml", "train", "c", "nvidia.com/gpu", "GPU-1")]
     base = subprocess_env | {"HOME": str(tmp_path), "KUBE_API": "off"}
     external = _start(base | {"POD_RESOURCES_SOCKET": kubelet.socket_path}, tmp_path / "a.log")
@@ -273,5 +273,6 @@ async def test_a_node_agent_loads_neither_grpcio_nor_protobuf(
     node = await asyncio.to_thread(_imported, external[0], tmp_path / "a.log")
     simulated = await asyncio.to_thread(_imported, inside[0], tmp_path / "b.log")
     assert "gpuid_agent.sources.kubelet.unary" in node
-    assert not {m for m in node if m.split(".")[0] == "grpc" or m.startswith("google.protobuf")}
-    assert "grpc" in simulated and "google.protobuf" in simulated
+    assert "gpuid_agent.sources.kubelet.v1.api_pb2" in node
+    assert not {m for m in node if m.split(".")[0] == "grpc" or m.endswith("_pb2_grpc")}
+    assert "grpc" in simulated

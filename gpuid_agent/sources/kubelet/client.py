@@ -1,5 +1,5 @@
 """A thin client of the kubelet pod-resources v1 API over its unix socket (gRPC calls made by
-`unary`, answers decoded by `wire`).
+`unary`, answers parsed by protobuf through `wire`).
 
 The connection is dropped after any failure and dialled again on the next call, so a kubelet
 that restarted and recreated its socket is reached at the next poll. A kubelet that restarted
@@ -18,6 +18,7 @@ from typing import TypeVar
 from gpuid_agent.runtime.errors import GrpcCallError, PodResourcesError
 from gpuid_agent.sources.kubelet import wire
 from gpuid_agent.sources.kubelet.unary import Status, UnaryChannel
+from gpuid_agent.sources.kubelet.v1 import api_pb2
 
 # A node with hundreds of pods produces responses far above gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -80,14 +81,14 @@ class PodResourcesClient:
                 await self.reset()
             raise error from exc
 
-    async def list(self) -> wire.ListPodResourcesResponse:
+    async def list(self) -> api_pb2.ListPodResourcesResponse:
         return _parsed(wire.parse_list, await self.list_bytes())
 
     async def list_bytes(self) -> bytes:
         """The List answer as the kubelet sent it (parsed by the caller only when it moved)."""
         return await self._call(_LIST)
 
-    async def allocatable(self) -> wire.AllocatableResourcesResponse:
+    async def allocatable(self) -> api_pb2.AllocatableResourcesResponse:
         """Raises PodResourcesError("unimplemented") on kubelets before 1.21."""
         return _parsed(wire.parse_allocatable, await self._call(_ALLOCATABLE))
 

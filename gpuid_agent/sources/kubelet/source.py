@@ -131,7 +131,6 @@ class PodResourcesSource:
         self._stale = False
         self._ignored_drivers: set[str] = set()
         self._last_parse: tuple[bytes, Any, PodResourcesSnapshot] | None = None
-        self._decoder = wire.ListDecoder()  # decodes only the pods that changed
         self.changed = asyncio.Event()
         self.polled = asyncio.Event()  # set after the first poll, whatever its outcome
         self.board.set(COMPONENT, "starting")
@@ -202,7 +201,7 @@ class PodResourcesSource:
         if last is not None and last[0] == answer and last[1] is allocatable:
             return last[2]
         try:
-            response = self._decoder.parse(answer)
+            response = wire.parse_list(answer)
         except wire.WireError as exc:
             raise PodResourcesError("rpc_error", "kubelet List answer not parsable") from exc
         snapshot = snapshot_from(response, self.resources, allocatable)
