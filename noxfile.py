@@ -24,7 +24,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (check and format), mypy --strict on the package, the import-linter layering
-    contracts and the module size limit."""
+    contracts, the module size limit, and gofmt and go vet on the suite's Go programs."""
     session.install("-e", ".[lint]")
     session.run("ruff", "check", "gpuid_agent", "tests", "noxfile.py", "benchmarks")
     session.run("ruff", "format", "--check", "gpuid_agent")
@@ -33,6 +33,23 @@ def lint(session: nox.Session) -> None:
     oversized = oversized_modules(Path("gpuid_agent"))
     if oversized:
         session.error(f"modules over {MODULE_LINE_LIMIT} lines: {', '.join(oversized)}")
+    go_lint(session)
+
+
+# The Go programs the suite builds (tests/realkube/build.py): held to gofmt and go vet.
+GO_MODULES = ("tests/realkube/go/kubernetes", "tests/realkube/go/etcd")
+
+
+def go_lint(session: nox.Session) -> None:
+    """gofmt (no file it would change) and go vet on each Go module. vet type-checks against
+    the dependencies, so it fills the Go build cache that the suite's build then reuses."""
+    unformatted = session.run("gofmt", "-l", *GO_MODULES, external=True, silent=True)
+    if str(unformatted).strip():
+        session.error(f"gofmt would change: {' '.join(str(unformatted).split())}")
+    env = {"CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
+    for module in GO_MODULES:
+        with session.chdir(module):
+            session.run("go", "vet", "./...", external=True, env=env)
 
 
 def oversized_modules(package: Path) -> list[str]:

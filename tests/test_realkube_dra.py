@@ -22,7 +22,7 @@ from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import AgentIdentity
 from tests.realkube.cluster import Client, KubeCluster
 from tests.realkube.kubelet import KubeletServer
-from tests.realkube.objects import ensure_namespace, unique
+from tests.realkube.objects import ensure_namespace
 from tests.test_dra_agent import claim_rows, get
 from tests.waiting import eventually
 

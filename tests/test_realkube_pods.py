@@ -52,7 +52,8 @@ async def client(agent_node: AgentIdentity, requests: Requests) -> AsyncIterator
 def uncached_apiserver(kube_cluster: KubeCluster) -> Iterator[Client]:
     """A second API server on the same etcd with its watch cache off: watches then read etcd
     directly, so a compaction reaches them as it does for resources served without a cache."""
-    yield kube_cluster.start_second_apiserver("--watch-cache=false")
+    with kube_cluster.second_apiserver("--watch-cache=false") as client:
+        yield client
 
 
 async def running(cache: PodCache, client: KubeClient) -> asyncio.Task[None]:

@@ -1,7 +1,8 @@
 """The chart's own pod, rendered by the real Helm engine and run under podman as the kubelet
-would run it (tests/image/podspec.py), on a node that is a directory: the suite's gRPC kubelet
-on the pod-resources socket, the fake API server over TLS reached through in-cluster
-configuration, and the fake NVML injected as the NVIDIA toolkit injects the driver's library.
+would run it (tests/image/podspec.py), on a node that is a directory: the kubelet's own
+pod-resources server on the socket, the real kube-apiserver (with the chart's RBAC and own-node
+policy) reached through in-cluster configuration with a token bound to the pod, and the fake
+NVML injected as the NVIDIA toolkit injects the driver's library.
 Any disagreement between the chart (securityContext, mount paths, env, probe paths and ports)
 and what the agent needs fails here."""
 
@@ -23,15 +24,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests import fakenvml
 from tests.chart_render import CHART, load_values, render
 from tests.conftest import free_port
-from tests.fakekube.server import FakeKube
-from tests.fakekubelet import FakeKubelet, pod
+from tests.fakekubelet import pod
 from tests.image import kubelet
-from tests.image.podspec import HOST_FROM_POD, Node, translate
-from tests.servers.tls import make_ca_and_server
+from tests.image.podspec import Node, translate
+from tests.realkube.chart import AgentIdentity, Installed, agent_identity
+from tests.realkube.cluster import KubeCluster
+from tests.realkube.kubelet import KubeletServer
+from tests.realkube.objects import unique
 from tests.waiting import eventually
 
-NODE = "gpu-node-1"
-TOKEN = "projected-sa-token"
 MACHINE_ID = "5f1e0c2d9b8a47d6a3c2b1e0f9d8c7b6"
 PRODUCT_UUID = "4c4c4544-0042-3010-8052-b4c04f4d3232"
 BATCH_FILE = re.compile(r"^\d{20}-")
@@ -39,17 +40,26 @@ BATCH_FILE = re.compile(r"^\d{20}-")
 
 @dataclass
 class Cluster:
-    api: FakeKube
+    api: KubeCluster
     node: Node
-    kubelet: FakeKubelet
+    agent: AgentIdentity
+
+    def node_labels(self) -> dict[str, str]:
+        found: dict[str, str] = self.api.admin.get(f"/api/v1/nodes/{self.node.name}")["metadata"]["labels"]
+        return found
 
 
 @pytest.fixture
 async def cluster(
-    tmp_path: Path, nvml_injection: tuple[str, ...], gpus: fakenvml.FakeNvmlConfig
+    tmp_path: Path,
+    nvml_injection: tuple[str, ...],
+    gpus: fakenvml.FakeNvmlConfig,
+    kube_cluster: KubeCluster,
+    chart_installed: Installed,
 ) -> AsyncIterator[Cluster]:
-    """The node's files, its kubelet with a pod holding two GPUs, and the API server. The
-    node's root is short: a unix socket path must stay under 108 bytes."""
+    """The node's files, its kubelet with a pod holding two GPUs, the API server with the chart
+    installed and the agent's pod on this node. The node's root is short: a unix socket path
+    must stay under 108 bytes."""
     root = Path(tempfile.mkdtemp(prefix="node-"))
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "machine-id").write_text(MACHINE_ID + "\n")
@@ -62,21 +72,19 @@ async def cluster(
     uuids = [g.uuid for g in gpus.gpus]
     assert all(uuids)
     held = pod("ml", "trainer-0", "main", "nvidia.com/gpu", str(uuids[0]), str(uuids[1]))
-    kube_let = FakeKubelet(
+    kube_let = KubeletServer(
         str(sockets / "kubelet.sock"),
         pods=[held],
         allocatable=(("nvidia.com/gpu", tuple(str(u) for u in uuids)),),
     )
-    await kube_let.start()
-    ca, server_tls = make_ca_and_server(tmp_path, addresses=(HOST_FROM_POD, "127.0.0.1"))
-    api = await FakeKube(token=TOKEN, ssl_context=server_tls).start()
-    api.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})
-    node = Node(NODE, root, api.port, ca.read_bytes(), TOKEN, injected=nvml_injection)
+    kube_let.start()
+    agent = agent_identity(kube_cluster, chart_installed, unique("gpu-node"), tmp_path / "agent")
+    ca = kube_cluster.ca.pem
+    node = Node(agent.node, root, kube_cluster.port, ca, agent.token, injected=nvml_injection)
     try:
-        yield Cluster(api, node, kube_let)
+        yield Cluster(kube_cluster, node, agent)
     finally:
-        await api.stop()
-        await kube_let.stop()
+        kube_let.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -128,8 +136,8 @@ async def test_chart_pod_runs_the_agent(
         template,
         cluster.node,
         tmp_path / "pod",
-        name="gpuid-gpuid-agent-x7k2p",
-        namespace="gpu-system",
+        name=cluster.agent.pod["metadata"]["name"],
+        namespace=cluster.agent.pod["metadata"]["namespace"],
         image_user=str(image_config["User"]),
         published={agent_port: host_port},
     )
@@ -171,7 +179,7 @@ async def test_chart_pod_runs_the_agent(
         if values.get("nodeLabels", {}).get("mode", "on") == "on":
             prefix = "gpuid.github.com/"
             await eventually(
-                lambda: any(k.startswith(prefix) for k in cluster.api.node_labels(NODE)),
+                lambda: any(k.startswith(prefix) for k in cluster.node_labels()),
                 within=30,
                 step=0.5,
                 what="labels patched on the Node",

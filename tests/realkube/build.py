@@ -99,7 +99,7 @@ def ensure_built(name: str) -> Path:
 
 
 def _build(name: str, module: Path, target: Path) -> None:
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
     command = [_go(), "build", "-trimpath", "-ldflags", _ldflags(name, module)]
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     started = time.monotonic()

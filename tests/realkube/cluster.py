@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from tests.realkube import build
 from tests.realkube.pki import Authority, key_pem
 
 ISSUER = "https://kubernetes.default.svc"
+# The serving certificate names the host's loopback as a podman pod reaches it (slirp4netns'
+# 10.0.2.2) beside 127.0.0.1: the chart's pod in tests/image talks to this API server.
+SERVING_IPS = ("127.0.0.1", "10.0.2.2")
 START_TIMEOUT = 120.0  # a cold kube-apiserver on two busy cores
 
 
@@ -161,7 +165,7 @@ class KubeCluster:
         etcd = build.program("etcd")
         apiserver = build.program("kube-apiserver")
         self.ca_path.write_bytes(self.ca.pem)
-        serving = self.ca.write(self.root, "apiserver", "kube-apiserver", ips=("127.0.0.1",))
+        serving = self.ca.write(self.root, "apiserver", "kube-apiserver", ips=SERVING_IPS)
         admin_cert, admin_key = self.ca.write(
             self.root, "admin", "gpuid-test-admin", organizations=("system:masters",)
         )
@@ -243,14 +247,21 @@ class KubeCluster:
         self._processes.append(process)
         return process
 
-    def start_second_apiserver(self, *extra: str) -> Client:
-        """Another kube-apiserver on the same etcd (an HA pair), with `extra` flags: the way
-        to see behaviour that depends on a flag without restarting the main one."""
+    @contextlib.contextmanager
+    def second_apiserver(self, *extra: str) -> Iterator[Client]:
+        """Another kube-apiserver on the same etcd (an HA pair) with `extra` flags, while in
+        the block: the way to see behaviour that depends on a flag without touching the main
+        one."""
         port = free_port()
-        self._spawn(f"kube-apiserver-{port}", [*self.apiserver_args, f"--secure-port={port}", *extra])
-        client = Client(f"https://127.0.0.1:{port}", self.admin_context)
-        self.wait_ready(client)
-        return client
+        process = self._spawn(f"kube-apiserver-{port}", [*self.apiserver_args, f"--secure-port={port}", *extra])
+        try:
+            client = Client(f"https://127.0.0.1:{port}", self.admin_context)
+            self.wait_ready(client)
+            yield client
+        finally:
+            process.terminate()
+            process.wait(timeout=15)
+            self._processes.remove(process)
 
     def wait_ready(self, client: Client) -> None:
         deadline = time.monotonic() + START_TIMEOUT
