@@ -183,7 +183,8 @@ def _parse_path(path: str) -> _Target | None:
 
 
 def _flag(value: str | None) -> bool:
-    return (value or "").lower() in ("true", "1")
+    """A boolean query parameter as the API server reads it (Go's strconv.ParseBool)."""
+    return (value or "") in ("1", "t", "T", "TRUE", "true", "True")
 
 
 def _verb(method: str, target: _Target | None, query: dict[str, str]) -> str:
