@@ -148,8 +148,8 @@ def warning_texts(headers: Any) -> list[str]:
     server sends them for deprecated APIs and for admission policies in Warn mode."""
     found = headers.getall("Warning", []) if hasattr(headers, "getall") else []
     texts = []
-    for value in found:
-        code, _, rest = str(value).partition(" ")
+    for value in map(str, found):
+        code, _, rest = value.partition(" ")
         _agent, _, quoted = rest.partition(" ")
         text = quoted.strip().removeprefix('"').removesuffix('"') if code.isdigit() else value
         texts.append(text.replace('\\"', '"')[:500])
