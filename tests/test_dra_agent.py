@@ -27,7 +27,7 @@ from tests.waiting import eventually
 
 NODE = "node-a"
 GPU = "gpu.nvidia.com"
-MIG_NAME = "gpu-0-mig-1g.10gb-19-6"
+MIG_NAME = "gpu-0-mig-19-6-1"
 
 
 def nvml_config() -> fakenvml.FakeNvmlConfig:
@@ -47,7 +47,7 @@ def kubelet_pods(with_new_mig: bool = False) -> list[Any]:
         claim_pod("ml", "train-0", "trainer", claim("ml", "train-gpu", "gpu-1")),
         claim_pod("ml", "serve-a", "server", shared),
         claim_pod("ml", "serve-b", "server", shared),
-        claim_pod("research", "big", "w", claim("research", "big-mig", "gpu-0-mig-3g.40gb-9-0")),
+        claim_pod("research", "big", "w", claim("research", "big-mig", "gpu-0-mig-9-0-4")),
         claim_pod(
             "net", "rdma", "c", KubeletClaim("net", "nic", (ClaimDevice("dra.net", NODE, "eth1"),))
         ),
@@ -65,7 +65,7 @@ def node_slice(config: fakenvml.FakeNvmlConfig, *, version: str = "v1") -> dict[
     ]
     devices.append(
         objects.gpu_device(
-            "gpu-0-mig-3g.40gb-9-0", gpu0.mig[0].uuid or "", parent_uuid=gpu0.uuid, version=version
+            "gpu-0-mig-9-0-4", gpu0.mig[0].uuid or "", parent_uuid=gpu0.uuid, version=version
         )
     )
     return objects.resource_slice(f"{NODE}-gpu.nvidia.com-abcde", NODE, devices, version=version)
@@ -128,7 +128,7 @@ async def test_dra_through_resourceslices_with_a_mig_device_appearing(
                 ("train-0", "", "train-gpu", "gpu-1", "dra"),
                 ("serve-a", "", "shared-gpu", "gpu-2", "dra"),
                 ("serve-b", "", "shared-gpu", "gpu-2", "dra"),
-                ("big", "2", "big-mig", "gpu-0-mig-3g.40gb-9-0", "dra"),
+                ("big", "2", "big-mig", "gpu-0-mig-9-0-4", "dra"),
             }
             # the NIC driver's claim is not a GPU: nowhere
             assert "rdma" not in text

@@ -19,6 +19,7 @@ from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kubelet import (
     ClaimAssignment,
+    DraDeviceName,
     PodResourcesClient,
     PodResourcesSnapshot,
     PodResourcesSource,
@@ -67,33 +68,32 @@ def inventory() -> NodeInventory:
 # ---- device names -------------------------------------------------------------------------
 
 
+def fields(parsed: DraDeviceName) -> tuple[object, ...]:
+    return (
+        parsed.kind,
+        parsed.minor,
+        parsed.profile_id,
+        parsed.placement_start,
+        parsed.placement_size,
+    )
+
+
 @pytest.mark.parametrize(
-    ("name", "kind", "minor", "profile", "profile_id", "placement"),
+    ("name", "expected"),
     [
-        ("gpu-0", "gpu", 0, None, None, None),
-        ("gpu-17", "gpu", 17, None, None, None),
-        ("gpu-3-mig-3g.40gb-9-0", "mig", 3, "3g.40gb", 9, 0),
-        ("gpu-0-mig-1g.10gb-19-6", "mig", 0, "1g.10gb", 19, 6),
-        ("gpu-1-mig-1g.10gb+me-20-4", "mig", 1, "1g.10gb+me", 20, 4),
-        ("gpu-2-mig-1c.3g.40gb-9-4", "mig", 2, "1c.3g.40gb", 9, 4),
+        ("gpu-0", ("gpu", 0, None, None, None)),
+        ("gpu-17", ("gpu", 17, None, None, None)),
+        # gpu-<minor>-mig-<GPU instance profile id>-<placement start>-<placement size>
+        ("gpu-3-mig-9-0-4", ("mig", 3, 9, 0, 4)),  # H100 3g.40gb at slice 0
+        ("gpu-3-mig-9-4-4", ("mig", 3, 9, 4, 4)),  # the other 3g.40gb
+        ("gpu-0-mig-19-6-1", ("mig", 0, 19, 6, 1)),  # 1g.10gb
+        ("gpu-1-mig-20-4-1", ("mig", 1, 20, 4, 1)),  # 1g.10gb+me
+        ("gpu-2-mig-0-0-8", ("mig", 2, 0, 0, 8)),  # 7g.80gb: profile id 0
     ],
 )
-def test_nvidia_device_names(
-    name: str,
-    kind: str,
-    minor: int,
-    profile: str | None,
-    profile_id: int | None,
-    placement: int | None,
-) -> None:
+def test_nvidia_device_names(name: str, expected: tuple[object, ...]) -> None:
     parsed = parse_dra_device(name)
-    assert (parsed.kind, parsed.minor, parsed.profile, parsed.profile_id, parsed.placement) == (
-        kind,
-        minor,
-        profile,
-        profile_id,
-        placement,
-    )
+    assert parsed.name == name and fields(parsed) == expected
 
 
 @pytest.mark.parametrize(
@@ -108,13 +108,24 @@ def test_nvidia_device_names(
         ("gpu--1", "unknown_form"),
         ("GPU-0", "unknown_form"),
         ("nic-0", "unknown_form"),
-        ("gpu-0-mig-3g.40gb-9", "unknown_form"),
+        # the profile's name in a device name: never the driver's (a dot is no DNS label)
+        ("gpu-3-mig-3g.40gb-9-0", "unknown_form"),
+        ("gpu-0-mig-1g.10gb-19-6", "unknown_form"),
+        ("gpu-1-mig-1g.10gb+me-20-4", "unknown_form"),
+        ("gpu-2-mig-1c.3g.40gb-9-4", "unknown_form"),
+        ("gpu-0-mig-3g40gb-9-0", "unknown_form"),
+        ("gpu-0-mig-9-0", "unknown_form"),
+        ("gpu-0-mig-9-0-4-1", "unknown_form"),
         ("gpu-0-mig--9-0", "unknown_form"),
+        ("gpu-0-mig-9--0-4", "unknown_form"),
+        ("gpu-0-mig-9-0-", "unknown_form"),
+        ("gpu-0-MIG-9-0-4", "unknown_form"),
         ("gpu-123456", "unknown_form"),
-        ("gpu-99999999-mig-1g.10gb-1-1", "unknown_form"),
+        ("gpu-99999999-mig-1-1-1", "unknown_form"),
         ("gpu-100000", "unknown_form"),
         ("gpu-99999", "ok"),
-        ("gpu-0-mig-1g.10gb-123456-0", "unknown_form"),
+        ("gpu-0-mig-123456-0-1", "unknown_form"),
+        ("gpu-0-mig-9-0-123456", "unknown_form"),
     ],
 )
 def test_malformed_device_names_say_why(name: str, reason: str) -> None:
@@ -136,6 +147,10 @@ def test_malformed_device_names_say_why(name: str, reason: str) -> None:
             st.text(alphabet="0123456789-", max_size=8),
             st.text(alphabet=string.ascii_lowercase + string.digits + ".+-_/\x00", max_size=40),
         ),
+        st.builds(
+            lambda a, b, c, d: f"gpu-{a}-mig-{b}-{c}-{d}",
+            *[st.text(alphabet="0123456789-.", min_size=1, max_size=7) for _ in range(4)],
+        ),
     )
 )
 def test_parser_only_ever_raises_device_id_error(text: str) -> None:
@@ -147,7 +162,20 @@ def test_parser_only_ever_raises_device_id_error(text: str) -> None:
         reason = ""
         assert parsed.name == text and len(text) <= MAX_DEVICE_NAME
         assert 0 <= parsed.minor <= 99_999
+        assert "." not in text  # what parses is a DNS label, as a ResourceSlice device name is
     assert reason in ("", "empty", "too_long", "bad_characters", "unknown_form", "out_of_range")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 99_999),
+    st.integers(0, 99_999),
+    st.integers(0, 99_999),
+    st.integers(0, 99_999),
+)
+def test_generated_mig_names_parse_back(minor: int, profile_id: int, start: int, size: int) -> None:
+    name = f"gpu-{minor}-mig-{profile_id}-{start}-{size}"
+    assert fields(parse_dra_device(name)) == ("mig", minor, profile_id, start, size)
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,18 +185,14 @@ def test_parser_only_ever_raises_device_id_error(text: str) -> None:
     st.integers(0, 99_999),
     st.integers(0, 99_999),
 )
-def test_generated_mig_names_parse_back(
+def test_names_with_a_profile_name_are_unknown(
     minor: int, profile: str, profile_id: int, placement: int
 ) -> None:
-    name = f"gpu-{minor}-mig-{profile}-{profile_id}-{placement}"
-    parsed = parse_dra_device(name)
-    assert (parsed.kind, parsed.minor, parsed.profile, parsed.profile_id, parsed.placement) == (
-        "mig",
-        minor,
-        profile,
-        profile_id,
-        placement,
-    )
+    """`gpu-<minor>-mig-<profile>-<profileID>-<placement>` with a profile such as 3g.40gb: no
+    DRA driver can publish it (a ResourceSlice device name is a DNS label), so it is no form."""
+    with pytest.raises(DeviceIdError) as caught:
+        parse_dra_device(f"gpu-{minor}-mig-{profile}-{profile_id}-{placement}")
+    assert caught.value.reason in ("unknown_form", "too_long")
 
 
 # ---- the kubelet's dynamic_resources --------------------------------------------------------
@@ -184,7 +208,7 @@ def dra_pods() -> list[KubeletPod]:
         claim_pod("ml", "train-0", "trainer", claim("ml", "train-gpus", "gpu-0", "gpu-1")),
         claim_pod("ml", "serve-a", "server", shared),  # one claim, two pods: both hold gpu-2
         claim_pod("ml", "serve-b", "server", shared),
-        claim_pod("research", "small", "w", claim("research", "mig", "gpu-3-mig-3g.40gb-9-0")),
+        claim_pod("research", "small", "w", claim("research", "mig", "gpu-3-mig-9-0-4")),
         KubeletPod(
             "net",
             "rdma",
@@ -227,7 +251,7 @@ async def test_dynamic_resources_are_read_and_other_drivers_ignored(
             ("train-0", "trainer", "ml", "train-gpus", "gpu-1"),
             ("serve-a", "server", "ml", "shared-gpu", "gpu-2"),
             ("serve-b", "server", "ml", "shared-gpu", "gpu-2"),
-            ("small", "w", "research", "mig", "gpu-3-mig-3g.40gb-9-0"),
+            ("small", "w", "research", "mig", "gpu-3-mig-9-0-4"),
         }
         assert all(c.driver == GPU and c.pool == NODE for c in snap.claims)
         assert snap.ignored_drivers == {"dra.net"}
@@ -286,6 +310,19 @@ async def test_fallback_attributes_full_gpus_and_says_so(kubelet: FakeKubelet) -
     assert [(a.holder.pod, a.gpu_uuid) for a in plugin] == [("rdma", UUIDS[3])]
 
 
+def test_a_name_with_the_profiles_name_is_counted_as_unknown() -> None:
+    """The old dotted MIG form is no name NVIDIA's driver publishes: unattributed, named."""
+    claims = tuple(
+        ClaimAssignment("ml", "p", "c", "ml", "mig", GPU, NODE, device)
+        for device in ("gpu-3-mig-3g.40gb-9-0", "gpu-3-mig-9-0-4")
+    )
+    result = attribute(
+        inventory(), PodResourcesSnapshot(assignments=(), claims=claims), slices=None
+    )
+    assert not result.allocations
+    assert sorted(u.reason for u in result.unmapped) == ["dra_mig_unresolved", "unknown_form"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -299,7 +336,7 @@ async def test_fallback_attributes_full_gpus_and_says_so(kubelet: FakeKubelet) -
             driver=st.just(GPU),
             pool=st.text(max_size=10),
             device=st.one_of(
-                st.sampled_from(["gpu-0", "gpu-3", "gpu-9", "gpu-3-mig-3g.40gb-9-0"]),
+                st.sampled_from(["gpu-0", "gpu-3", "gpu-9", "gpu-3-mig-9-0-4"]),
                 st.text(max_size=70),
             ),
             share_id=st.none() | st.text(max_size=5),

@@ -47,10 +47,10 @@ def test_each_physical_gpu_counts_once() -> None:
             gpu("gpu-0", "GPU-0"),
             gpu("gpu-1", "GPU-1"),
             # GPU 2 in MIG mode: listed only through its MIG devices
-            gpu("gpu-2-mig-1g.10gb-19-0", "MIG-a", parent_uuid="GPU-2"),
-            gpu("gpu-2-mig-1g.10gb-19-1", "MIG-b", parent_uuid="GPU-2"),
+            gpu("gpu-2-mig-19-0-1", "MIG-a", parent_uuid="GPU-2"),
+            gpu("gpu-2-mig-19-1-1", "MIG-b", parent_uuid="GPU-2"),
             # GPU 0 again, with one of its MIG devices (dynamic MIG lists both)
-            gpu("gpu-0-mig-3g.40gb-9-0", "MIG-c", parent_uuid="GPU-0"),
+            gpu("gpu-0-mig-9-0-4", "MIG-c", parent_uuid="GPU-0"),
             gpu("not-a-gpu", "GPU-9"),
         ],
     )
@@ -67,7 +67,7 @@ def test_the_count_is_the_distinct_minor_numbers(rows: list[tuple[int, bool, boo
     """Whatever mix of full-GPU and MIG devices, in one pool or two, names a GPU's minor."""
     devices = [
         objects.gpu_device(
-            f"gpu-{minor}-mig-1g.10gb-19-{n}" if mig else f"gpu-{minor}",
+            f"gpu-{minor}-mig-19-{n}-1" if mig else f"gpu-{minor}",
             f"MIG-{n}" if mig else f"GPU-{minor}",
             parent_uuid=f"GPU-{minor}" if mig else None,
         )

@@ -36,7 +36,7 @@ def dra_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     mig = Allocation(
         Holder("ml", "small", "w"),
         "gpu.nvidia.com",
-        "n1/gpu-0-mig-1g.10gb-19-0",
+        "n1/gpu-0-mig-19-0-1",
         "GPU-0",
         "MIG-1",
         claim=Claim("ml", "mig-claim", "dra"),

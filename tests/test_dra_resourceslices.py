@@ -31,7 +31,7 @@ MIG_NEW = "MIG-bbbbbbbb-1111-4222-8333-444444444444"
 def node_slice(version: str, *, extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     devices = [objects.gpu_device(f"gpu-{i}", UUIDS[i], version=version) for i in range(3)]
     devices.append(
-        objects.gpu_device("gpu-3-mig-3g.40gb-9-0", MIG_3G, parent_uuid=UUIDS[3], version=version)
+        objects.gpu_device("gpu-3-mig-9-0-4", MIG_3G, parent_uuid=UUIDS[3], version=version)
     )
     return objects.resource_slice(
         f"{NODE}-gpu.nvidia.com-x7k2p", NODE, devices + (extra or []), version=version
@@ -100,10 +100,10 @@ async def test_v1_slices_join_gpus_and_mig_devices(
     await eventually(lambda: cache.available and cache.lookup(GPU, NODE, "gpu-0") is not None)
     assert cache.version == "v1" and cache.status()["version"] == "resource.k8s.io/v1"
     assert cache.status()["devices"] == 4  # node-b's and the NIC driver's devices are not kept
-    assert attributed(cache, "gpu-0", "gpu-2", "gpu-3-mig-3g.40gb-9-0") == {
+    assert attributed(cache, "gpu-0", "gpu-2", "gpu-3-mig-9-0-4") == {
         "gpu-0": (UUIDS[0], None, "dra"),
         "gpu-2": (UUIDS[2], None, "dra"),
-        "gpu-3-mig-3g.40gb-9-0": (UUIDS[3], MIG_3G, "dra"),
+        "gpu-3-mig-9-0-4": (UUIDS[3], MIG_3G, "dra"),
     }
     lists = [r for r in kube.requests if "resourceslices" in r.path and r.verb in ("list", "watch")]
     assert lists and all(r.query.get("fieldSelector") == f"spec.nodeName={NODE}" for r in lists)
@@ -126,7 +126,7 @@ async def test_v1beta1_is_found_and_a_mig_device_appears_mid_run(
     ]
     # GPU 3 is published only through its MIG device: its whole-GPU name falls back, marked
     assert attributed(cache, "gpu-3") == {"gpu-3": (UUIDS[3], None, "dra-fallback")}
-    new_mig = "gpu-0-mig-1g.10gb-19-6"
+    new_mig = "gpu-0-mig-19-6-1"
     # Not published yet: a MIG device cannot be told from its name alone
     assert attributed(cache, new_mig)[new_mig] == ("", None, "dra_mig_unresolved")
     cache.changed.clear()

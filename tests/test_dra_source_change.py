@@ -42,7 +42,7 @@ async def test_the_source_moves_on_while_the_start_record_stays(
                 ("train-0", "", "train-gpu", "gpu-1", "dra"),
                 ("serve-a", "", "shared-gpu", "gpu-2", "dra"),
                 ("serve-b", "", "shared-gpu", "gpu-2", "dra"),
-                ("big", "2", "big-mig", "gpu-0-mig-3g.40gb-9-0", "dra"),
+                ("big", "2", "big-mig", "gpu-0-mig-9-0-4", "dra"),
             }
             dra = orjson.loads(await get(agent, "/status"))["attribution"]["dra"]
             assert dra["fallback"] == 0

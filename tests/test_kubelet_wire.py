@@ -501,13 +501,13 @@ REALISTIC: dict[str, tuple[bytes, list[DeviceAssignment], list[ClaimAssignment],
         _answer(
             _pod("ml", "dra", pb.ContainerResources(name="c", dynamic_resources=[
                 pb.DynamicResource(claim_name="gpus", claim_namespace="ml", claim_resources=[
-                    _dra("gpu-1-mig-1g.10gb-19-0"), _dra("gpu-0"), _dra("gpu-2", share="s1")]),
+                    _dra("gpu-1-mig-19-0-1"), _dra("gpu-0"), _dra("gpu-2", share="s1")]),
                 pb.DynamicResource(claim_name="nic", claim_resources=[
                     _dra("eth0", "net.example")]),
             ])),
         ),
         [],
-        [_claimed("gpu-0"), _claimed("gpu-1-mig-1g.10gb-19-0"), _claimed("gpu-2", "s1")],
+        [_claimed("gpu-0"), _claimed("gpu-1-mig-19-0-1"), _claimed("gpu-2", "s1")],
         {"net.example"},
     ),
 }  # fmt: skip

@@ -27,8 +27,9 @@ from tests.test_dra_agent import claim_rows, get
 from tests.waiting import eventually
 
 DRIVER = "gpu.nvidia.com"
-# A device name is a DNS label on a real API server: no dots (the stand-in took any string).
-BIG_MIG = "gpu-0-mig-3g40gb-9-0"
+# NVIDIA's name of a MIG device, gpu-<minor>-mig-<profileID>-<placement start>-<size>: the
+# 3g.40gb instance (H100 profile id 9) at memory slice 0 of GPU 0
+BIG_MIG = "gpu-0-mig-9-0-4"
 
 
 def resource_claim(admin: Client, namespace: str, name: str, node: str, *devices: str) -> None:

@@ -12,14 +12,35 @@ from gpuid_agent.simulate.pods import ClaimDevice, KubeletClaim, KubeletPod, cla
 from gpuid_agent.simulate.profiles import SimGpu, SimMig
 from gpuid_agent.sources.kubelet.claims import NVIDIA_GPU_DRIVER
 
-# H100 80GB GPU instance profile ids and a placement start for each
-_MIG_SLOTS = {"3g.40gb": (9, 0), "2g.20gb": (14, 4), "1g.10gb": (19, 6)}
+# H100 80GB GPU instance profiles as NVML gives them: profile id, placement size (in memory
+# slices) and the placement starts the profile may take
+_H100_PROFILES: dict[str, tuple[int, int, tuple[int, ...]]] = {
+    "1g.10gb": (19, 1, (0, 1, 2, 3, 4, 5, 6)),
+    "1g.20gb": (15, 2, (0, 2, 4, 6)),
+    "2g.20gb": (14, 2, (0, 2, 4)),
+    "3g.40gb": (9, 4, (0, 4)),
+    "4g.40gb": (5, 4, (0,)),
+    "7g.80gb": (0, 8, (0,)),
+}
+
+
+def mig_placements(gpu: SimGpu) -> dict[str, tuple[int, int, int]]:
+    """(profile id, placement start, placement size) of each of the GPU's MIG devices by UUID:
+    its instances placed in order, each at the first free start its profile may take."""
+    used: set[int] = set()
+    placed: dict[str, tuple[int, int, int]] = {}
+    for mig in gpu.mig:
+        profile_id, size, starts = _H100_PROFILES[mig.name.rsplit(" ", 1)[-1]]
+        start = next(s for s in starts if used.isdisjoint(range(s, s + size)))
+        used.update(range(start, start + size))
+        placed[mig.uuid] = (profile_id, start, size)
+    return placed
 
 
 def mig_device_name(gpu: SimGpu, mig: SimMig) -> str:
-    profile = mig.name.rsplit(" ", 1)[-1]
-    profile_id, placement = _MIG_SLOTS.get(profile, (0, mig.gpu_instance_id))
-    return f"gpu-{gpu.minor_number}-mig-{profile}-{profile_id}-{placement}"
+    """The name NVIDIA's driver gives the device: `gpu-<minor>-mig-<profileID>-<start>-<size>`."""
+    profile_id, start, size = mig_placements(gpu)[mig.uuid]
+    return f"gpu-{gpu.minor_number}-mig-{profile_id}-{start}-{size}"
 
 
 def _claim(namespace: str, name: str, pool: str, *devices: str) -> KubeletClaim:

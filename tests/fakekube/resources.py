@@ -128,3 +128,71 @@ def validate_metadata(obj: dict[str, Any]) -> list[Cause]:
             )
         )
     return causes
+
+
+# apimachinery's IsDNS1123Label, worded as the API server words it
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MESSAGE = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and "
+    "must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex "
+    "used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+
+
+def dns_label_problems(value: str) -> list[str]:
+    problems: list[str] = []
+    if len(value) > 63:
+        problems.append("must be no more than 63 characters")
+    if not _DNS_LABEL.fullmatch(value):
+        # a valid subdomain that is no label can only have dots in it
+        dotted = _DNS_SUBDOMAIN.fullmatch(value) is not None
+        problems.append("must not contain dots" if dotted else DNS_LABEL_MESSAGE)
+    return problems
+
+
+def validate_resource_slice(obj: dict[str, Any]) -> list[Cause]:
+    """What the API server refuses in a ResourceSlice's devices (HTTP 422): a name that is no
+    DNS label, a name listed twice. Other spec fields are not checked."""
+    spec = obj.get("spec")
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    if not isinstance(devices, list):
+        return []
+    causes: list[Cause] = []
+    duplicates: list[Cause] = []  # after every name's own causes, as the API server lists them
+    seen: set[str] = set()
+    for i, device in enumerate(devices):
+        name = device.get("name", "") if isinstance(device, dict) else ""
+        if not isinstance(name, str):
+            continue  # the API server refuses that while decoding, before validation
+        causes += [
+            Cause(f"spec.devices[{i}].name", f'Invalid value: "{name}": {problem}')
+            for problem in dns_label_problems(name)
+        ]
+        if name in seen:
+            duplicates.append(
+                Cause(f"spec.devices[{i}]", f'Duplicate value: "{name}"', "FieldValueDuplicate")
+            )
+        seen.add(name)
+    return causes + duplicates
+
+
+def validate_spec(resource: Resource, obj: dict[str, Any]) -> list[Cause]:
+    """What the API server refuses in an object beyond its metadata, as far as the stand-in
+    checks it: a ResourceSlice's device names."""
+    return validate_resource_slice(obj) if resource.kind == "ResourceSlice" else []
+
+
+def invalid(resource: Resource, name: str, causes: list[Cause]) -> tuple[str, dict[str, Any]]:
+    """The message and details of the API server's 422 Invalid for `causes`: several causes
+    are bracketed in the message, one is not."""
+    errors = [f"{c.field}: {c.message}" for c in causes]
+    listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+    qualified = f"{resource.kind}.{resource.group}" if resource.group else resource.kind
+    details: dict[str, Any] = {"name": name}
+    if resource.group:
+        details["group"] = resource.group
+    details["kind"] = resource.kind
+    details["causes"] = [
+        {"reason": c.reason, "message": c.message, "field": c.field} for c in causes
+    ]
+    return f'{qualified} "{name}" is invalid: {listed}', details

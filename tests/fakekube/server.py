@@ -4,9 +4,10 @@ It speaks the wire protocol the real client (kubernetes_asyncio) speaks: typed p
 /api/v1 and /apis/<group>/<version>, JSON objects with metadata.resourceVersion and uid, LIST
 with fieldSelector/labelSelector/limit/continue, WATCH as a stream of JSON lines with
 resourceVersion resumption and 410 Expired, PATCH in the three patch formats with optimistic
-concurrency, and `Status` error bodies. Faults (any status, Retry-After, stalls, hangs, dropped
-connections, a watch answered with a list) are injected for the next N matching requests, and
-every request is logged.
+concurrency, and `Status` error bodies (a ResourceSlice device name that is no DNS label gets
+the real server's 422, to the word: tests/test_realkube_dra_names.py compares them). Faults
+(any status, Retry-After, stalls, hangs, dropped connections, a watch answered with a list) are
+injected for the next N matching requests, and every request is logged.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from tests.fakekube.resources import (
     BY_PATH,
     RESOURCE_VERSIONS,
     Resource,
+    invalid,
     validate_metadata,
+    validate_spec,
 )
 from tests.fakekube.selectors import SelectorError, field_selector, label_selector
 from tests.fakekube.store import Store, Watcher
@@ -200,6 +203,14 @@ def _verb(method: str, target: _Target | None, query: dict[str, str]) -> str:
     }.get(method, method.lower())
 
 
+def _check_spec(resource: Resource, obj: dict[str, Any]) -> None:
+    """The API server's 422 for what it validates in a spec (ResourceSlice device names)."""
+    causes = validate_spec(resource, obj)
+    if causes:
+        message, details = invalid(resource, str((obj.get("metadata") or {}).get("name")), causes)
+        raise StatusError(422, message, details=details)
+
+
 def _strip_item(obj: dict[str, Any]) -> dict[str, Any]:
     obj.pop("kind", None)
     obj.pop("apiVersion", None)
@@ -281,6 +292,9 @@ class FakeKube:
     # ---- objects (what a test sets up or inspects) ------------------------------------------
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object as another client would; StatusError for a spec the API server
+        refuses, so test data cannot hold what no real cluster would."""
+        _check_spec(BY_KIND[obj["kind"]], obj)
         return self.store.create(obj)
 
     def add_node(
@@ -322,6 +336,7 @@ class FakeKube:
 
     def update(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Store a changed object as another client would (bumps resourceVersion, emits)."""
+        _check_spec(BY_KIND[obj["kind"]], obj)
         return self.store.replace(BY_KIND[obj["kind"]], obj)
 
     def patch(
@@ -338,7 +353,9 @@ class FakeKube:
         current = self.store.get(resource, namespace, name)
         if current is None:
             raise KeyError(name)
-        return self.store.replace(resource, patching.apply(content_type, current, body))
+        patched = patching.apply(content_type, current, body)
+        _check_spec(resource, patched)
+        return self.store.replace(resource, patched)
 
     def delete(self, kind: str, name: str, namespace: str = "") -> dict[str, Any] | None:
         resource = BY_KIND[kind]
@@ -753,6 +770,7 @@ class FakeKube:
                 },
                 reason="Invalid" if first else None,
             )
+        _check_spec(target.resource, result)
         return web.json_response(self.store.replace(target.resource, result))
 
     async def _patch(
@@ -794,6 +812,7 @@ class FakeKube:
         causes = validate_metadata(obj)
         if causes:
             raise StatusError(422, f'{target.resource.kind} "{meta["name"]}" is invalid')
+        _check_spec(target.resource, obj)
         try:
             created = self.store.create(obj, target.resource)
         except KeyError:

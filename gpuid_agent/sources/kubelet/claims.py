@@ -7,8 +7,13 @@ domains, …) are not GPUs.
 
 NVIDIA's DRA driver names its devices
 
-    gpu-<minor>                                          a full GPU (/dev/nvidia<minor>)
-    gpu-<minor>-mig-<profile>-<profileID>-<placement>    a MIG device on that GPU
+    gpu-<minor>                                    a full GPU (/dev/nvidia<minor>)
+    gpu-<minor>-mig-<profileID>-<start>-<size>     a MIG device on that GPU
+
+where profileID is the GPU instance profile id and start/size its placement in memory slices
+(`gpu-0-mig-9-0-4`: a 3g.40gb instance at slice 0 of an H100). A name with the profile's name
+in it (`gpu-0-mig-3g.40gb-9-0`) is no form of the driver's: ResourceSlice device names are DNS
+labels, so it never produced one with a dot, and such a name is `unknown_form`.
 
 Its CDI device names carry the claim UID, not a GPU UUID: which GPU a device is comes from the
 node's ResourceSlices (attribute `uuid`), or for a full GPU from the minor number in its name.
@@ -29,20 +34,20 @@ GPU_DRIVERS = frozenset({NVIDIA_GPU_DRIVER})
 MAX_DEVICE_NAME = 63  # a ResourceSlice device name is a DNS label
 
 _GPU = re.compile(r"gpu-(\d{1,5})")
-# Profiles look like 1g.10gb, 1g.10gb+me, 1c.3g.40gb: no hyphen, so the fields split cleanly.
-_MIG = re.compile(r"gpu-(\d{1,5})-mig-([0-9a-z][0-9a-z.+]{0,30})-(\d{1,5})-(\d{1,5})")
+_MIG = re.compile(r"gpu-(\d{1,5})-mig-(\d{1,5})-(\d{1,5})-(\d{1,5})")
 
 
 @dataclass(frozen=True, slots=True)
 class DraDeviceName:
-    """What an NVIDIA DRA device name says: the GPU's minor number and, for MIG, the slot."""
+    """What an NVIDIA DRA device name says: the GPU's minor number and, for MIG, the GPU
+    instance profile id and placement (start and size, in memory slices)."""
 
     name: str
     kind: Literal["gpu", "mig"]
     minor: int
-    profile: str | None = None
     profile_id: int | None = None
-    placement: int | None = None
+    placement_start: int | None = None
+    placement_size: int | None = None
 
 
 def parse_dra_device(name: str) -> DraDeviceName:
@@ -51,14 +56,14 @@ def parse_dra_device(name: str) -> DraDeviceName:
     if match := _GPU.fullmatch(name):
         return DraDeviceName(name, "gpu", id_number(match.group(1)))
     if match := _MIG.fullmatch(name):
-        minor, profile, profile_id, placement = match.groups()
+        minor, profile_id, start, size = match.groups()
         return DraDeviceName(
             name,
             "mig",
             id_number(minor),
-            profile=profile,
             profile_id=id_number(profile_id),
-            placement=id_number(placement),
+            placement_start=id_number(start),
+            placement_size=id_number(size),
         )
     raise DeviceIdError("unknown_form", "DRA device name fits no NVIDIA GPU or MIG form")
 

@@ -4,8 +4,9 @@ The join goes through the node's ResourceSlices: (driver, pool, device) → attr
 which is a GPU's or a MIG device's UUID. Without the slices (no API access, resource.k8s.io
 not served) or before the driver has published a device, a full GPU's device name still gives
 its minor number (`gpu-<minor>` → /dev/nvidia<minor>), and the allocation says it came from
-that fallback. A MIG device's name gives only its profile and placement, which NVML does not
-report, so a MIG device waits for the slices.
+that fallback. A MIG device's name (`gpu-<minor>-mig-<profileID>-<start>-<size>`) gives its
+GPU instance profile id and placement, which the inventory does not read from NVML (only the
+GPU instance id and the profile's name), so a MIG device waits for the slices.
 """
 
 from __future__ import annotations
