@@ -22,7 +22,7 @@ from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import AgentIdentity
 from tests.realkube.cluster import Client, KubeCluster
 from tests.realkube.kubelet import KubeletServer
-from tests.realkube.objects import ensure_namespace
+from tests.realkube.objects import ensure_namespace, unique
 from tests.test_dra_agent import claim_rows, get
 from tests.waiting import eventually
 
@@ -57,7 +57,8 @@ def resource_claim(admin: Client, namespace: str, name: str, node: str, *devices
 @pytest.fixture
 def claims(kube_cluster: KubeCluster, agent_node: AgentIdentity) -> dict[str, KubeletClaim]:
     admin, node = kube_cluster.admin, agent_node.node
-    wanted = {"train-gpu": ("ml", "gpu-1"), "shared-gpu": ("ml", "gpu-2"), "big-mig": ("research", BIG_MIG)}
+    ml, research = unique("ml"), unique("research")  # the session's cluster is shared
+    wanted = {"train-gpu": (ml, "gpu-1"), "shared-gpu": (ml, "gpu-2"), "big-mig": (research, BIG_MIG)}
     found = {}
     for name, (namespace, device) in wanted.items():
         resource_claim(admin, namespace, name, node, device)
@@ -86,10 +87,10 @@ async def test_claims_attributed_through_real_resourceslices(
     fake_nvml.apply(config)
     kube_cluster.admin.create("/apis/resource.k8s.io/v1/resourceslices", node_slice(config, agent_node.node))
     real_kubelet.pods = [
-        claim_pod("ml", "train-0", "trainer", claims["train-gpu"]),
-        claim_pod("ml", "serve-a", "server", claims["shared-gpu"]),
-        claim_pod("ml", "serve-b", "server", claims["shared-gpu"]),
-        claim_pod("research", "big", "w", claims["big-mig"]),
+        claim_pod(claims["train-gpu"].namespace, "train-0", "trainer", claims["train-gpu"]),
+        claim_pod(claims["shared-gpu"].namespace, "serve-a", "server", claims["shared-gpu"]),
+        claim_pod(claims["shared-gpu"].namespace, "serve-b", "server", claims["shared-gpu"]),
+        claim_pod(claims["big-mig"].namespace, "big", "w", claims["big-mig"]),
     ]
     real_kubelet.publish()
     s = settings(
