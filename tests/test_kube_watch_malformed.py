@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.retry import Backoff
 from gpuid_agent.sources.kube import list_watch
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
@@ -160,7 +162,8 @@ async def test_resourceslices_answered_with_a_list_back_off_and_log_once(
     caplog.set_level(logging.WARNING, logger="gpuid_agent")
     device = objects.gpu_device("gpu-0", "GPU-00000000-0000-4000-8000-000000000000")
     kube.create(objects.resource_slice(f"{NODE}-gpu", NODE, [device], version="v1"))
-    cache = ResourceSliceCache(NODE, backoff_max=CAP, watch_timeout=30)
+    metrics = AttributionMetrics(CollectorRegistry())
+    cache = ResourceSliceCache(NODE, backoff_max=CAP, watch_timeout=30, metrics=metrics)
     assert cache.open(client)
     kube.inject(verb="watch", path=SLICES, as_list=True, times=BAD_WATCHES)
     async with running(cache.run):
@@ -168,6 +171,8 @@ async def test_resourceslices_answered_with_a_list_back_off_and_log_once(
         (backoff,) = backoffs
         assert backoff.delays == expected_delays(BAD_WATCHES)
         assert cache.status()["malformed"] == BAD_WATCHES
+        malformed = metrics.registry.get_sample_value("gpuid_resource_slices_malformed_total")
+        assert malformed == BAD_WATCHES
         reason = "resourceslice watch answered with a list (watch=true ignored)"
         assert len(warnings(caplog, reason)) == 1
         assert cache.available and [d.name for d in cache.devices()] == ["gpu-0"]

@@ -293,6 +293,11 @@ class AttributionMetrics:
             "Pod list items, watch lines and watch events skipped as malformed.",
             registry=r,
         )
+        self.resource_slices_malformed = Counter(
+            "gpuid_resource_slices_malformed_total",
+            "ResourceSlice list items, watch lines and watch events skipped as malformed.",
+            registry=r,
+        )
         self.owner_lookups = Counter(
             "gpuid_owner_lookups_total",
             "Workload owner lookups by outcome (cached, api, forbidden, not_found, error).",

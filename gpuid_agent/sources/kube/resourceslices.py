@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.errors import KubeApiError
+from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient
 from gpuid_agent.sources.kube.list_watch import (
@@ -111,8 +112,10 @@ class ResourceSliceCache:
         watch_timeout: float = 300.0,
         backoff_max: float = 60.0,
         versions: Collection[str] | None = None,
+        metrics: AttributionMetrics | None = None,
     ) -> None:
         self.node = node
+        self._metrics = metrics
         self.board = board or StatusBoard()
         self.changed = changed or asyncio.Event()
         self._versions = tuple(v for v in VERSIONS if versions is None or v in versions)
@@ -251,6 +254,8 @@ class ResourceSliceCache:
 
     def malformed(self, what: str) -> None:
         self._malformed += 1
+        if self._metrics is not None:
+            self._metrics.resource_slices_malformed.inc()
 
     def _set_available(self, available: bool) -> None:
         if available != self._available:

@@ -63,7 +63,9 @@ def build_attributor(
             metrics=metrics,
         )
     if config.dra_resource_slices:  # from the API, or from a simulated node's driver
-        attributor.slices = ResourceSliceCache(config.node, board=board, changed=attributor.changed)
+        attributor.slices = ResourceSliceCache(
+            config.node, board=board, changed=attributor.changed, metrics=metrics
+        )
     return attributor, pods
 
 
