@@ -22,7 +22,7 @@ from tests.chart_render import (
 RULE = {
     "apiGroups": ["resource.k8s.io"],
     "resources": ["resourceslices"],
-    "verbs": ["get", "list", "watch"],
+    "verbs": ["list", "watch"],
 }
 
 

@@ -1,17 +1,29 @@
 """The chart's RBAC as the real API server grants it: what the agent's ServiceAccount may do
 (SelfSubjectRulesReview with its pod-bound token) is exactly the table in docs/security.md,
-and it can neither read Secrets nor change Pods."""
+which is exactly what the agent asks of the API server with every feature on; it can neither
+read Secrets nor change Pods."""
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
 import pytest
 
+from gpuid_agent.agent import Agent
+from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.simulate.pods import pod as kubelet_pod
+from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
+from tests import fakenvml
+from tests.conftest import running_agent, settings
+from tests.fakekube import objects as build
+from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import AgentIdentity, agent_identity, chart_values, install, render_for
 from tests.realkube.cluster import ApiError, Client, KubeCluster
-from tests.realkube.objects import unique
+from tests.realkube.kubelet import KubeletServer
+from tests.realkube.objects import create_pod, pod, unique, workload
+from tests.waiting import eventually
 
 SECURITY = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 CORE_RESOURCES = {"nodes", "pods"}
@@ -85,6 +97,66 @@ def test_rules_review_is_the_documented_table(every_feature: tuple[AgentIdentity
     baseline = granted(nobody, namespace)
     for where in (namespace, "default", "kube-system"):  # cluster-wide: the same everywhere
         assert granted(identity.client, where) - baseline == documented_grants()
+
+
+GROUPS = {"replicasets": "apps", "jobs": "batch", "resourceslices": "resource.k8s.io"}
+
+
+def used_grants(agent: Agent) -> set[tuple[Grant, str]]:
+    """(group, resource, verb) and answer code of every request the agent made."""
+    used = set()
+    for family in agent.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "gpuid_kube_api_requests_total" and sample.value:
+                labels = sample.labels
+                grant = (GROUPS.get(labels["resource"], ""), labels["resource"], labels["verb"])
+                used.add((grant, labels["code"]))
+    return used
+
+
+async def test_the_agent_asks_for_exactly_what_it_is_granted(
+    kube_cluster: KubeCluster,
+    every_feature: tuple[AgentIdentity, Client, str],
+    fake_nvml: FakeNvml,
+    real_kubelet: KubeletServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    identity, _, _ = every_feature
+    admin, node = kube_cluster.admin, identity.node
+    config = fakenvml.h100x8()
+    fake_nvml.apply(config)
+    # Workloads whose owners the agent walks, and this node's ResourceSlice.
+    namespace = unique("team")
+    deploy = workload(admin, build.deployment("web", namespace=namespace))
+    rs = workload(admin, build.replicaset("web-5d9c", namespace=namespace, owners=[build.owner(deploy)]))
+    job = workload(admin, build.job("batch-1", namespace=namespace))
+    create_pod(admin, pod(namespace, "web-5d9c-x1", node, owner=build.owner(rs)))
+    create_pod(admin, pod(namespace, "batch-1-y2", node, owner=build.owner(job)))
+    devices = [build.gpu_device(f"gpu-{i}", g.uuid or "") for i, g in enumerate(config.gpus)]
+    admin.create("/apis/resource.k8s.io/v1/resourceslices", build.resource_slice(f"{node}-gpu", node, devices))
+    real_kubelet.pods = [kubelet_pod(namespace, "web-5d9c-x1", "main", "nvidia.com/gpu", str(config.gpus[0].uuid))]
+    real_kubelet.publish()
+    # A condition left by an earlier run on a GPU since replaced: the agent clears it.
+    stale = {"type": "GpuXidError", "status": "True", "reason": "GpuRebootSuggested", "message": "GPU 1: XID 79"}
+    admin.strategic_patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [stale]}})
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(identity.kubeconfig))
+    s = settings(
+        node_name=node,
+        kube_api="auto",
+        labels="on",
+        label_startup_jitter=0,
+        node_conditions=True,
+        pod_resources_socket=real_kubelet.socket_path,
+        pod_resources_interval=0.05,
+    )
+    agent = Agent(s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())])
+    documented = documented_grants()
+    async with running_agent(agent):
+        await eventually(lambda: {grant for grant, _ in used_grants(agent)} >= documented, within=30)
+    used = used_grants(agent)
+    assert {grant for grant, _ in used} == documented
+    assert {code for _, code in used} == {"200"}, used
 
 
 def test_agent_cannot_read_secrets_or_change_pods(every_feature: tuple[AgentIdentity, Client, str]) -> None:
