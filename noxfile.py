@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nox
@@ -40,17 +41,22 @@ def lint(session: nox.Session) -> None:
 GO_MODULES = ("tests/realkube/go/kubernetes", "tests/realkube/go/etcd")
 
 
+def go_tool(name: str) -> str:
+    """A Go tool from PATH, else from the Go installation's usual place."""
+    return shutil.which(name) or f"/usr/local/go/bin/{name}"
+
+
 def go_lint(session: nox.Session) -> None:
     """gofmt (no file it would change) and go vet on each Go module. vet compiles the
     dependencies; with the suite's build flags (static, -trimpath) those are the compilations
     the suite's build (tests/realkube/build.py) then takes from Go's build cache."""
-    unformatted = session.run("gofmt", "-l", *GO_MODULES, external=True, silent=True)
+    unformatted = session.run(go_tool("gofmt"), "-l", *GO_MODULES, external=True, silent=True)
     if str(unformatted).strip():
         session.error(f"gofmt would change: {' '.join(str(unformatted).split())}")
     env = {"CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
     for module in GO_MODULES:
         with session.chdir(module):
-            session.run("go", "vet", "-trimpath", "./...", external=True, env=env)
+            session.run(go_tool("go"), "vet", "-trimpath", "./...", external=True, env=env)
 
 
 def oversized_modules(package: Path) -> list[str]:
