@@ -1,8 +1,10 @@
 """GPU accounting end to end: the C fake libnvidia-ml (energy counters, compute and MPS
-processes with SM samples), a fake host /proc, the fake Kubernetes API and the grpc.aio
-kubelet. A time-sliced GPU is split by measured SM share, a whole GPU counts 1 per second,
-unheld GPUs count as idle, energy splits the GPUs' own counter deltas, and a pod leaving
-mid-interval ends with what it used, its usage records adding up to its end's totals."""
+processes with SM samples), a fake host /proc, the real kube-apiserver (pods and this node's
+ResourceSlice in resource.k8s.io/v1, read with the agent's pod-bound token under the chart's
+RBAC) and the kubelet's own pod-resources server (Go, `real_kubelet`). A time-sliced GPU is
+split by measured SM share, a whole GPU counts 1 per second, unheld GPUs count as idle, energy
+splits the GPUs' own counter deltas, and a pod leaving mid-interval ends with what it used, its
+usage records adding up to its end's totals. No stand-in: nothing here is a fault."""
 
 from __future__ import annotations
 
@@ -21,14 +23,18 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import test_dra_agent as dra
 from tests.conftest import running_agent, settings
-from tests.fakekube import FakeKube, write_kubeconfig
-from tests.fakekubelet import FakeKubelet
+from tests.fakekube import objects
+from tests.fakekubelet import ClaimDevice, KubeletClaim, claim_pod
 from tests.fakenvml.fixtures import FakeNvml
 from tests.fakeproc import FakeProc
-from tests.test_process_agent import kube, scenario  # noqa: F401  (fixture and scene reused)
+from tests.realkube.kubelet import KubeletServer
+from tests.test_process_agent import Api, api, scenario  # noqa: F401  (fixture and scene reused)
 from tests.waiting import eventually
 
 INTERVAL = 0.1  # COLLECT_INTERVAL: the tolerance of held time is one of it
+DRIVER = "gpu.nvidia.com"
+# NVIDIA's name of the 3g.40gb MIG device (profile 9) at memory slice 0 of GPU 0: a DNS label
+BIG_MIG = "gpu-0-mig-9-0-4"
 
 
 def latest(agent: Agent, name: str) -> tuple[dict[str, float], float]:
@@ -55,22 +61,20 @@ def records(out: io.BytesIO) -> list[dict[str, Any]]:
 
 async def test_shares_energy_and_churn_add_up(
     fake_nvml: FakeNvml,
-    kubelet: FakeKubelet,
-    kube: FakeKube,  # noqa: F811
+    real_kubelet: KubeletServer,
+    api: Api,  # noqa: F811
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(
-        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken"))
-    )
     proc = FakeProc(tmp_path / "proc")
-    config, kubelet.pods = scenario(kube, proc)
+    config, real_kubelet.pods = scenario(api, proc)
+    real_kubelet.publish()
     fake_nvml.apply(config)
     out = io.BytesIO()
     agent = Agent(
         settings(
+            node_name=api.node,
             kube_api="auto",
-            pod_resources_socket=kubelet.socket_path,
+            pod_resources_socket=real_kubelet.socket_path,
             pod_resources_interval=0.05,
             process_attribution=True,
             host_proc=str(proc.root),
@@ -95,7 +99,8 @@ async def test_shares_energy_and_churn_add_up(
         after, t1 = latest(agent, seconds)
         e_after = per_pod(text(), joules)
         # serve leaves mid-interval: its end carries what it used
-        kubelet.pods = [p for p in kubelet.pods if p.name != "serve"]
+        real_kubelet.pods = [p for p in real_kubelet.pods if p.name != "serve"]
+        real_kubelet.publish()
         await eventually(lambda: any(r.get("event") == "end" for r in records(out)))
         await asyncio.sleep(0.5)
     held = t1 - t0
@@ -130,37 +135,71 @@ def by_labels(text: bytes, name: str, *keys: str) -> dict[tuple[str, ...], float
     return out
 
 
+def node_slice(config: Any, node: str) -> dict[str, Any]:
+    """This node's ResourceSlice of NVIDIA's driver: GPUs 0-2 and GPU 0's 3g.40gb device."""
+    gpu0 = config.gpus[0]
+    devices = [objects.gpu_device(f"gpu-{i}", g.uuid or "") for i, g in enumerate(config.gpus)]
+    devices.append(objects.gpu_device(BIG_MIG, gpu0.mig[0].uuid or "", parent_uuid=gpu0.uuid))
+    return objects.resource_slice(f"{node}-{DRIVER}", node, devices)
+
+
+def claim_pods(node: str) -> list[Any]:
+    """The pods of the claims the scheduler allocated from that slice, as the kubelet reports
+    them, and a NIC driver's claim beside them."""
+
+    def claim(namespace: str, name: str, device: str, driver: str = DRIVER) -> KubeletClaim:
+        return KubeletClaim(namespace, name, (ClaimDevice(driver, node, device),))
+
+    shared = claim("ml", "shared-gpu", "gpu-2")
+    return [
+        claim_pod("ml", "train-0", "trainer", claim("ml", "train-gpu", "gpu-1")),
+        claim_pod("ml", "serve-a", "server", shared),
+        claim_pod("ml", "serve-b", "server", shared),
+        claim_pod("research", "big", "w", claim("research", "big-mig", BIG_MIG)),
+        claim_pod("net", "rdma", "c", claim("net", "nic", "eth1", "dra.net")),
+    ]
+
+
 async def test_mig_fraction_and_a_dra_claim_shared_by_two_pods(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fake_nvml: FakeNvml,
+    real_kubelet: KubeletServer,
+    api: Api,  # noqa: F811
 ) -> None:
     """GPU 0 in MIG mode: its 3g.40gb device (claimed by research/big) is 3/7 of the GPU, the
     unclaimed 1g.10gb and the unconfigured slices idle; GPU 1 whole (train-0); GPU 2 through
     one claim shared by serve-a and serve-b, half each."""
     config = dra.nvml_config()
     fake_nvml.apply(config)
-    kubelet.pods = dra.kubelet_pods()
-    async with FakeKube(resource_versions=("v1",)) as api:
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", api.url)))
-        api.create(dra.node_slice(config))
-        agent = dra.make_agent(
-            fake_nvml, kubelet, io.BytesIO(), kube_api="auto", collect_interval=INTERVAL,
+    real_kubelet.pods = claim_pods(api.node)
+    real_kubelet.publish()
+    api.admin.create("/apis/resource.k8s.io/v1/resourceslices", node_slice(config, api.node))
+    agent = Agent(
+        settings(
+            node_name=api.node,
+            kube_api="auto",
+            pod_resources_socket=real_kubelet.socket_path,
+            pod_resources_interval=0.05,
+            collect_interval=INTERVAL,
             accounting_per_pod=True,
-        )  # fmt: skip
-        pod_s, pod_j = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
-        async with running_agent(agent):
-            text = lambda: agent.renderer.current().text  # noqa: E731
-            await eventually(lambda: per_pod(text(), pod_s).get("big", 0) > 0, within=20)
-            before, t0 = latest(agent, pod_s)
-            e_before = per_pod(text(), pod_j)
-            w_before = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
-            g0, g2 = config.gpus[0], config.gpus[2]
-            g0.energy_mj = (g0.energy_mj or 0) + 700_000
-            g2.energy_mj = (g2.energy_mj or 0) + 400_000
-            fake_nvml.apply(config)
-            await asyncio.sleep(2.0)
-            after, t1 = latest(agent, pod_s)
-            e_after = per_pod(text(), pod_j)
-            w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+        ),
+        nvml_api=PynvmlApi(str(fake_nvml.lib_path)),
+        exporters=[StdoutExporter(io.BytesIO())],
+    )
+    pod_s, pod_j = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
+    async with running_agent(agent):
+        text = lambda: agent.renderer.current().text  # noqa: E731
+        await eventually(lambda: per_pod(text(), pod_s).get("big", 0) > 0, within=20)
+        before, t0 = latest(agent, pod_s)
+        e_before = per_pod(text(), pod_j)
+        w_before = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+        g0, g2 = config.gpus[0], config.gpus[2]
+        g0.energy_mj = (g0.energy_mj or 0) + 700_000
+        g2.energy_mj = (g2.energy_mj or 0) + 400_000
+        fake_nvml.apply(config)
+        await asyncio.sleep(2.0)
+        after, t1 = latest(agent, pod_s)
+        e_after = per_pod(text(), pod_j)
+        w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
     held = t1 - t0
     d = {k: after[k] - before.get(k, 0) for k in after}
     assert d["big"] == pytest.approx(held * 3 / 7, abs=INTERVAL)

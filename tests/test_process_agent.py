@@ -1,6 +1,12 @@
 """Per-process shares end to end: the C fake libnvidia-ml lists processes, a fake host /proc
-maps them to pods, the fake Kubernetes API names the containers, the grpc.aio kubelet says
-who holds which GPU, and the agent's /gpu/metrics and /status are read over HTTP."""
+maps them to pods, the real kube-apiserver names the containers (pods read with the agent's
+pod-bound token under the chart's RBAC), the kubelet's own pod-resources server (Go,
+`real_kubelet`) says who holds which GPU, and the agent's /gpu/metrics and /status are read
+over HTTP.
+
+The stand-in API server (`tests/fakekube`) stays for one hostile body the real server refuses
+to store: a container status whose containerID is a number
+(`test_a_malformed_container_status_is_skipped`)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import asyncio
 import io
 import os
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,39 +25,84 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.sources.kube.client import create_kube_client
+from gpuid_agent.sources.kube.pods import PodCache
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
 from tests.conftest import running_agent, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
-from tests.fakekubelet import FakeKubelet, pod
+from tests.fakekubelet import pod
 from tests.fakenvml import FakeProcess, FakeProcessUtil
 from tests.fakenvml.fixtures import FakeNvml
 from tests.fakeproc import FakeProc, cgroupfs_path, systemd_path, v1, v2
+from tests.realkube import objects as real
+from tests.realkube.chart import AgentIdentity
+from tests.realkube.cluster import Client, KubeCluster
+from tests.realkube.kubelet import KubeletServer
 from tests.waiting import eventually
 
 GIB = 1024**3
-NODE = "node-a"
 CID_TRAIN, CID_SERVE, CID_ROGUE = "a1" * 32, "b2" * 32, "c3" * 32
 
 
+@dataclass
+class Api:
+    """The real API server as the agent of `node` sees it, and a namespace of this test's own
+    for the workload pods (pod names are asserted, so they repeat across tests)."""
+
+    admin: Client
+    node: str
+    namespace: str
+
+    def pod(self, name: str, container: str, cid: str, *, init: str | None = None) -> str:
+        """A running pod on the node whose container has the runtime id `cid`; its UID."""
+        obj = real.pod(self.namespace, name, self.node, containers=(container,))
+        if init is not None:
+            obj["spec"]["initContainers"] = [{"name": init, "image": "registry.invalid/init:1"}]
+        created = real.create_pod(self.admin, obj)
+        self.container_ids(name, {container: f"containerd://{cid}"})
+        return str(created["metadata"]["uid"])
+
+    def container_ids(
+        self, name: str, containers: dict[str, str], init: dict[str, str] | None = None
+    ) -> None:
+        """The container statuses the kubelet reports: `containers` and `init` name → id."""
+
+        def statuses(ids: dict[str, str], running: bool) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": c,
+                    "containerID": cid,
+                    "ready": running,
+                    "restartCount": 1,
+                    "image": "registry.invalid/workload:1",
+                    "imageID": "",
+                    "state": {"running": {}} if running else {"terminated": {"exitCode": 0}},
+                }
+                for c, cid in ids.items()
+            ]
+
+        status: dict[str, Any] = {"containerStatuses": statuses(containers, True)}
+        if init is not None:
+            status["initContainerStatuses"] = statuses(init, False)
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{name}/status"
+        self.admin.merge_patch(path, {"status": status})
+
+
 @pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    async with FakeKube(token="t0ken") as server:
-        yield server
+def api(
+    kube_cluster: KubeCluster, agent_node: AgentIdentity, monkeypatch: pytest.MonkeyPatch
+) -> Api:
+    """KUBECONFIG holds the agent's pod-bound token."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(agent_node.kubeconfig))
+    return Api(kube_cluster.admin, agent_node.node, real.unique("ml"))
 
 
-def api_pod(kube: FakeKube, name: str, container: str, cid: str) -> str:
-    obj = objects.pod(name, namespace="ml", node_name=NODE, containers=(container,))
-    obj["status"]["containerStatuses"] = [
-        {"name": container, "containerID": f"containerd://{cid}", "ready": True}
-    ]
-    return str(kube.create(obj)["metadata"]["uid"])
-
-
-def scenario(kube: FakeKube, proc: FakeProc) -> tuple[fakenvml.FakeNvmlConfig, list[Any]]:
+def scenario(api: Api, proc: FakeProc) -> tuple[fakenvml.FakeNvmlConfig, list[Any]]:
     """GPU 0 time-sliced by train and serve, with a host process and a pod that does not hold
     it; GPU 1 held and idle; GPU 2 busy and held by nobody; the rest free."""
-    uids = {n: api_pod(kube, n, c, i) for n, c, i in [
+    uids = {n: api.pod(n, c, i) for n, c, i in [
         ("train", "trainer", CID_TRAIN), ("serve", "server", CID_SERVE), ("rogue", "app", CID_ROGUE)
     ]}  # fmt: skip
     proc.add(100, v2(systemd_path(uids["train"], CID_TRAIN)))
@@ -70,10 +123,11 @@ def scenario(kube: FakeKube, proc: FakeProc) -> tuple[fakenvml.FakeNvmlConfig, l
     g2.processes = [FakeProcess(400, 5 * GIB)]
     g2.process_util = [FakeProcessUtil(400, 70)]
     uuids = [g.uuid or "" for g in config.gpus]
+    ns = api.namespace
     pods = [
-        pod("ml", "train", "trainer", "nvidia.com/gpu", f"{uuids[0]}::0"),
-        pod("ml", "serve", "server", "nvidia.com/gpu", f"{uuids[0]}::1"),
-        pod("ml", "notebook", "jupyter", "nvidia.com/gpu", uuids[1]),
+        pod(ns, "train", "trainer", "nvidia.com/gpu", f"{uuids[0]}::0"),
+        pod(ns, "serve", "server", "nvidia.com/gpu", f"{uuids[0]}::1"),
+        pod(ns, "notebook", "jupyter", "nvidia.com/gpu", uuids[1]),
     ]
     return config, pods
 
@@ -92,22 +146,17 @@ def samples(text: str, name: str) -> list[Any]:
 
 
 async def test_time_sliced_gpu_shares_add_up_and_unattributed_is_explicit(
-    fake_nvml: FakeNvml,
-    kubelet: FakeKubelet,
-    kube: FakeKube,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, api: Api, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(
-        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken"))
-    )
     proc = FakeProc(tmp_path / "proc")
-    config, kubelet.pods = scenario(kube, proc)
+    config, real_kubelet.pods = scenario(api, proc)
+    real_kubelet.publish()
     fake_nvml.apply(config)
     uuids = [g.uuid for g in config.gpus]
     s = settings(
+        node_name=api.node,
         kube_api="auto",
-        pod_resources_socket=kubelet.socket_path,
+        pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
         process_attribution=True,
         host_proc=str(proc.root),
@@ -170,7 +219,7 @@ async def test_time_sliced_gpu_shares_add_up_and_unattributed_is_explicit(
         assert status["processes"]["unattributed"] == {"host_process": 1}
         usage = {row["uuid"]: row for row in status["usage"]}
         assert usage[uuids[1]]["state"] == "held_idle"
-        assert usage[uuids[1]]["holders"] == ["ml/notebook/jupyter"]
+        assert usage[uuids[1]]["holders"] == [f"{api.namespace}/notebook/jupyter"]
         assert usage[uuids[2]]["state"] == "unowned_busy"
 
         proc.remove(200)  # serve's process exited; NVML still lists it this pass
@@ -193,7 +242,7 @@ async def _json(agent: Agent, path: str) -> Any:
 
 
 async def test_off_makes_no_process_call_and_reads_no_proc(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, tmp_path: Path
 ) -> None:
     config = fakenvml.h100x8()
     config.gpus[0].processes = [FakeProcess(100, GIB)]
@@ -204,9 +253,10 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
     root = tmp_path / "proc"
     (root / "100").mkdir(parents=True)
     os.mkfifo(root / "100" / "cgroup")
-    kubelet.pods = [pod("ml", "idle", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.pods = [pod("ml", "idle", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.publish()
     s = settings(
-        pod_resources_socket=kubelet.socket_path,
+        pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
         host_proc=str(root),
         stall_timeout=2.0,
@@ -229,17 +279,10 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
 
 
 async def test_mig_devices_get_their_own_shares_and_states(
-    fake_nvml: FakeNvml,
-    kubelet: FakeKubelet,
-    kube: FakeKube,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, api: Api, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(
-        "KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken"))
-    )
     proc = FakeProc(tmp_path / "proc")
-    uid = api_pod(kube, "research", "worker", CID_TRAIN)
+    uid = api.pod("research", "worker", CID_TRAIN)
     proc.add(10, v2(systemd_path(uid, CID_TRAIN)))
     proc.add(20, v2("/user.slice/user-1000.slice/session-4.scope"))
     config = fakenvml.mig_h100()
@@ -249,10 +292,14 @@ async def test_mig_devices_get_their_own_shares_and_states(
         FakeProcess(20, 4 * 1024**2, mig[1].gi_id, mig[1].ci_id),
     ]
     fake_nvml.apply(config)
-    kubelet.pods = [pod("ml", "research", "worker", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
+    real_kubelet.pods = [
+        pod(api.namespace, "research", "worker", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")
+    ]
+    real_kubelet.publish()
     s = settings(
+        node_name=api.node,
         kube_api="auto",
-        pod_resources_socket=kubelet.socket_path,
+        pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
         process_attribution=True,
         host_proc=str(proc.root),
@@ -286,41 +333,59 @@ async def test_mig_devices_get_their_own_shares_and_states(
     assert not any(k[0] == "" for k in rest)  # nothing left over on the parent GPU
 
 
-async def test_pod_cache_follows_container_restarts_by_uid(kube: FakeKube, tmp_path: Path) -> None:
-    """A restarted container gets a new id: the watch's MODIFIED event must reach `by_uid`,
-    and a deleted pod stays findable by UID while its tombstone lasts."""
-    from gpuid_agent.sources.kube.client import create_kube_client
-    from gpuid_agent.sources.kube.pods import PodCache
-
-    kubeconfig = write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken")
-
-    uid = api_pod(kube, "train", "trainer", CID_TRAIN)
-    client = await create_kube_client("auto", environ={"KUBECONFIG": str(kubeconfig)})
-    cache = PodCache(NODE)
+@asynccontextmanager
+async def watching(node: str, environ: dict[str, str] | None = None) -> AsyncIterator[PodCache]:
+    """The agent's pod cache of `node`, listed and watching through its own client."""
+    client = await create_kube_client("auto", environ=environ)
+    assert client is not None
+    cache = PodCache(node)
     assert cache.open(client)
     task = asyncio.create_task(cache.run())
     try:
         await eventually(lambda: cache.ready)
-        meta = cache.by_uid(uid)
-        assert meta is not None and dict(meta.containers) == {CID_TRAIN: "trainer"}
-        obj = kube.get("Pod", "train", "ml")
-        assert obj is not None
-        obj["status"]["containerStatuses"] = [
-            {"name": "trainer", "containerID": f"cri-o://{CID_SERVE}"},
-            {"name": "bad", "containerID": 7},  # malformed: skipped
-        ]
-        obj["status"]["initContainerStatuses"] = [
-            {"name": "init", "containerID": f"containerd://{CID_ROGUE.upper()}"}
-        ]
-        kube.update(obj)
-        await eventually(lambda: CID_SERVE in (cache.by_uid(uid) or meta).containers)
-        assert dict(cache.by_uid(uid).containers) == {CID_SERVE: "trainer", CID_ROGUE: "init"}  # type: ignore[union-attr]
-        kube.delete("Pod", "train", "ml")
-        await eventually(lambda: cache.lookup("ml", "train") is not None and not cache._pods)
-        assert cache.by_uid(uid) is not None  # tombstoned: its processes still attributed
-        assert cache.by_uid("") is None and cache.by_uid("nope") is None
+        yield cache
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        if client is not None:
-            await client.close()
+        await client.close()
+
+
+async def test_pod_cache_follows_container_restarts_by_uid(api: Api) -> None:
+    """A restarted container gets a new id: the watch's MODIFIED event must reach `by_uid`,
+    and a deleted pod stays findable by UID while its tombstone lasts."""
+    ns = api.namespace
+    uid = api.pod("train", "trainer", CID_TRAIN, init="init")
+    async with watching(api.node) as cache:
+        meta = cache.by_uid(uid)
+        assert meta is not None and dict(meta.containers) == {CID_TRAIN: "trainer"}
+        api.container_ids(
+            "train",
+            {"trainer": f"cri-o://{CID_SERVE}"},
+            init={"init": f"containerd://{CID_ROGUE.upper()}"},
+        )
+        await eventually(lambda: CID_SERVE in (cache.by_uid(uid) or meta).containers)
+        assert dict(cache.by_uid(uid).containers) == {CID_SERVE: "trainer", CID_ROGUE: "init"}  # type: ignore[union-attr]
+        real.remove_pod(api.admin, ns, "train")
+        await eventually(lambda: (ns, "train") not in cache._pods)
+        assert cache.lookup(ns, "train") is not None
+        assert cache.by_uid(uid) is not None  # tombstoned: its processes still attributed
+        assert cache.by_uid("") is None and cache.by_uid("nope") is None
+
+
+async def test_a_malformed_container_status_is_skipped(tmp_path: Path) -> None:
+    """A containerID that is not a string (the real server refuses to store one) is skipped;
+    the other statuses of the same event are kept."""
+    async with FakeKube(token="t0ken") as kube:
+        kubeconfig = write_kubeconfig(tmp_path / "kc", kube.url, token="t0ken")
+        obj = objects.pod("train", namespace="ml", node_name="node-a", containers=("trainer",))
+        uid = str(kube.create(obj)["metadata"]["uid"])
+        async with watching("node-a", {"KUBECONFIG": str(kubeconfig)}) as cache:
+            stored = kube.get("Pod", "train", "ml")
+            assert stored is not None
+            stored["status"]["containerStatuses"] = [
+                {"name": "trainer", "containerID": f"cri-o://{CID_SERVE}"},
+                {"name": "bad", "containerID": 7},
+            ]
+            kube.update(stored)
+            await eventually(lambda: (m := cache.by_uid(uid)) and CID_SERVE in m.containers)
+            assert dict(cache.by_uid(uid).containers) == {CID_SERVE: "trainer"}  # type: ignore[union-attr]
