@@ -1,5 +1,11 @@
-"""Pods on GPUs end to end: fake libnvidia-ml (real pynvml) + a real grpc.aio kubelet + the
-agent, asserted by parsing /gpu/metrics with prometheus_client's text parser."""
+"""Pods on GPUs end to end: fake libnvidia-ml (real pynvml) + the kubelet's own pod-resources
+server (Go, `real_kubelet`) + the agent, asserted by parsing /gpu/metrics with
+prometheus_client's text parser.
+
+The Python stand-in kubelet (`tests/fakekubelet`) stays for the one test whose point is a
+fault and a call log: a scrape must not reach the kubelet, shown by a kubelet that would answer
+List 30 s late and by its count of calls staying the same
+(`test_a_scrape_only_serves_prepared_bytes`). Nothing here uses the API server."""
 
 from __future__ import annotations
 
@@ -21,13 +27,14 @@ from tests import fakenvml
 from tests.conftest import running_agent, settings
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.realkube.kubelet import KubeletServer
 from tests.waiting import eventually
 
 Holders = set[tuple[str, str, str]]
 NOBODY: Holders = {("", "", "")}
 
 
-def make_agent(fake: FakeNvml, kubelet: FakeKubelet, **overrides: Any) -> Agent:
+def make_agent(fake: FakeNvml, kubelet: FakeKubelet | KubeletServer, **overrides: Any) -> Agent:
     s = settings(
         pod_resources_socket=kubelet.socket_path,
         pod_resources_interval=0.05,
@@ -36,6 +43,14 @@ def make_agent(fake: FakeNvml, kubelet: FakeKubelet, **overrides: Any) -> Agent:
     return Agent(
         s, nvml_api=PynvmlApi(str(fake.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
+
+
+def polls(agent: Agent) -> float:
+    """The agent's answered pod-resources polls."""
+    sample = agent.metrics.registry.get_sample_value(
+        "gpuid_pod_resources_polls_total", {"outcome": "ok"}
+    )
+    return sample or 0
 
 
 def rendered_with_pods(agent: Agent) -> bool:
@@ -183,14 +198,16 @@ SCENARIOS = {
 @pytest.mark.parametrize("naming", ["prometheus", "dcgm"])
 @pytest.mark.parametrize("name", SCENARIOS)
 async def test_device_id_scenarios(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, name: str, naming: str
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, name: str, naming: str
 ) -> None:
     scenario = SCENARIOS[name]
     config = scenario.nvml()
     fake_nvml.apply(config)
-    kubelet.pods = scenario.pods(config)
+    real_kubelet.pods = scenario.pods(config)
+    real_kubelet.publish()
     want = scenario.want(config)
-    async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming=naming)) as agent:
+    agent = make_agent(fake_nvml, real_kubelet, metrics_naming=naming)
+    async with running_agent(agent):
         await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     assert holders(families, scenario.family) == want
@@ -201,13 +218,15 @@ async def test_device_id_scenarios(
 
 
 async def test_mig_series_carry_instance_labels_and_memory(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer
 ) -> None:
     config = fakenvml.mig_h100()
     fake_nvml.apply(config)
     mig = config.gpus[0].mig
-    kubelet.pods = [pod("research", "big", "w", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
-    async with running_agent(make_agent(fake_nvml, kubelet, metrics_naming="dcgm")) as agent:
+    real_kubelet.pods = [pod("research", "big", "w", "nvidia.com/mig-3g.40gb", mig[0].uuid or "")]
+    real_kubelet.publish()
+    agent = make_agent(fake_nvml, real_kubelet, metrics_naming="dcgm")
+    async with running_agent(agent):
         await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     used = {s.labels["GPU_I_ID"]: s for s in families["DCGM_FI_DEV_FB_USED"].samples}
@@ -220,18 +239,19 @@ async def test_mig_series_carry_instance_labels_and_memory(
 
 
 async def test_unknown_and_malformed_ids_are_counted_not_fatal(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, caplog: pytest.LogCaptureFixture
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpuid_agent")
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
     good = config.gpus[0].uuid or ""
-    kubelet.pods = [
+    real_kubelet.pods = [
         pod("a", "good", "c", "nvidia.com/gpu", good),
         pod("a", "bad", "c", "nvidia.com/gpu", "GPU-zzz", "", "9999", "nvidia0/gi", "\u00e9"),
         pod("a", "ghost", "c", "nvidia.com/gpu", "GPU-deadbeef-0000"),
     ]
-    async with running_agent(make_agent(fake_nvml, kubelet)) as agent:
+    real_kubelet.publish()
+    async with running_agent(make_agent(fake_nvml, real_kubelet)) as agent:
         await eventually(lambda: agent.attributor.current.unmapped and rendered_with_pods(agent))
         families = await scrape(agent)
         own = await scrape(agent, "/metrics")
@@ -241,8 +261,8 @@ async def test_unknown_and_malformed_ids_are_counted_not_fatal(
         ):
             status = orjson.loads(await resp.read())
         # the same bad ids polled again and again: logged once
-        calls = kubelet.calls["List"]
-        await eventually(lambda: kubelet.calls["List"] >= calls + 5)
+        answered = polls(agent)
+        await eventually(lambda: polls(agent) >= answered + 5)
         assert not agent.supervisor.problems()
     assert holders(families)[(good, "")] == {("a", "good", "c")}
     reasons = {
@@ -257,15 +277,17 @@ async def test_unknown_and_malformed_ids_are_counted_not_fatal(
 
 
 async def test_a_new_pod_is_rendered_without_waiting_for_nvml(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer
 ) -> None:
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
-    async with running_agent(make_agent(fake_nvml, kubelet, collect_interval=3600)) as agent:
+    agent = make_agent(fake_nvml, real_kubelet, collect_interval=3600)
+    async with running_agent(agent):
         await eventually(lambda: agent.renderer.seq >= 1)  # the first render is installed
         families = await scrape(agent)
         assert holders(families)[(config.gpus[3].uuid, "")] == NOBODY
-        kubelet.pods = [pod("a", "late", "c", "nvidia.com/gpu", config.gpus[3].uuid or "")]
+        real_kubelet.pods = [pod("a", "late", "c", "nvidia.com/gpu", config.gpus[3].uuid or "")]
+        real_kubelet.publish()
         await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
     assert holders(families)[(config.gpus[3].uuid, "")] == {("a", "late", "c")}
@@ -293,21 +315,22 @@ async def test_a_scrape_only_serves_prepared_bytes(
 
 
 async def test_two_gpus_with_one_uuid_are_reported_and_attributed_to_neither(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer
 ) -> None:
     config = fakenvml.h100x8()
     shared = config.gpus[0].uuid or ""
     config.gpus[1].uuid = shared  # a driver or firmware fault NVML passes on
     fake_nvml.apply(config)
     other = config.gpus[2].uuid or ""
-    kubelet.pods = [
+    real_kubelet.pods = [
         pod("a", "by-uuid", "c", "nvidia.com/gpu", shared),
         pod("a", "by-index", "c", "nvidia.com/gpu", "1"),
         pod("a", "fine", "c", "nvidia.com/gpu", other),
     ]
+    real_kubelet.publish()
     out = io.BytesIO()
     agent = Agent(
-        settings(pod_resources_socket=kubelet.socket_path, pod_resources_interval=0.05),
+        settings(pod_resources_socket=real_kubelet.socket_path, pod_resources_interval=0.05),
         nvml_api=PynvmlApi(str(fake_nvml.lib_path)),
         exporters=[StdoutExporter(out)],
     )

@@ -1,6 +1,6 @@
 """Attribution is recomputed only when one of its inputs moved (the kubelet's answer, the GPUs),
-not on every publish: a real grpc.aio kubelet answering the same bytes leaves the attribution
-and the allocatable GPU count as they were."""
+not on every publish: the kubelet's own pod-resources server (Go, `real_kubelet`) answering the
+same pods again leaves the attribution and the allocatable GPU count as they were. No stand-in."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kubelet import PodResourcesClient, PodResourcesSource
 from gpuid_agent.state.attribution.service import Attributor
-from tests.fakekubelet import FakeKubelet, pod
+from tests.fakekubelet import pod
+from tests.realkube.kubelet import KubeletServer
 from tests.test_dra_claims import UUIDS, inventory
 
 RESOURCE = "nvidia.com/gpu"
 
 
-async def test_attribution_moves_only_with_its_inputs(kubelet: FakeKubelet) -> None:
-    kubelet.pods = [pod("ml", "train", "c", RESOURCE, UUIDS[0])]
-    kubelet.allocatable = [(RESOURCE, tuple(UUIDS[:3]))]
+async def test_attribution_moves_only_with_its_inputs(real_kubelet: KubeletServer) -> None:
+    real_kubelet.pods = [pod("ml", "train", "c", RESOURCE, UUIDS[0])]
+    real_kubelet.allocatable = ((RESOURCE, tuple(UUIDS[:3])),)
+    real_kubelet.publish()
     source = PodResourcesSource(
-        PodResourcesClient(kubelet.socket_path, timeout=1.0),
+        PodResourcesClient(real_kubelet.socket_path, timeout=1.0),
         interval=0.02,
         stale_after=30.0,
         board=StatusBoard(),
@@ -40,7 +42,8 @@ async def test_attribution_moves_only_with_its_inputs(kubelet: FakeKubelet) -> N
         assert source.current() is snapshot
         assert attributor.refresh(inventory()) is first
         # the kubelet's answer moved
-        kubelet.pods = [pod("ml", "train", "c", RESOURCE, UUIDS[1])]
+        real_kubelet.pods = [pod("ml", "train", "c", RESOURCE, UUIDS[1])]
+        real_kubelet.publish()
         assert await source.poll_once()
         second = attributor.refresh(inventory())
         assert [a.gpu_uuid for a in second.allocations] == [UUIDS[1]]

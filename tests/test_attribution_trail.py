@@ -1,4 +1,9 @@
-"""The allocation trail through the real pipeline: starts, ends, and agent restarts."""
+"""The allocation trail through the real pipeline: starts, ends, and agent restarts, with the
+kubelet's own pod-resources server (Go, `real_kubelet`) saying who holds which GPU.
+
+The Python stand-in kubelet (`tests/fakekubelet`) stays where the kubelet being down is the
+point (`test_an_unreachable_kubelet_ends_nothing`: stopped and started again mid-test). Nothing
+here uses the API server."""
 
 from __future__ import annotations
 
@@ -30,10 +35,14 @@ from tests import fakenvml
 from tests.conftest import running_agent, settings
 from tests.fakekubelet import FakeKubelet, pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.realkube.kubelet import KubeletServer
+from tests.test_attribution_agent import polls
 from tests.waiting import eventually
 
 
-def make_agent(fake: FakeNvml, kubelet: FakeKubelet, out: io.BytesIO, **overrides: Any) -> Agent:
+def make_agent(
+    fake: FakeNvml, kubelet: FakeKubelet | KubeletServer, out: io.BytesIO, **overrides: Any
+) -> Agent:
     s = settings(pod_resources_socket=kubelet.socket_path, pod_resources_interval=0.05, **overrides)
     return Agent(s, nvml_api=PynvmlApi(str(fake.lib_path)), exporters=[StdoutExporter(out)])
 
@@ -48,17 +57,19 @@ def by_pod(records: list[dict[str, Any]], event: str) -> dict[str, dict[str, Any
     return {r["pod"]: r for r in records if r["event"] == event}
 
 
-async def test_start_and_end_records(fake_nvml: FakeNvml, kubelet: FakeKubelet) -> None:
+async def test_start_and_end_records(fake_nvml: FakeNvml, real_kubelet: KubeletServer) -> None:
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
     shared = config.gpus[1].uuid
-    kubelet.pods = [pod("ml", "train", "main", "nvidia.com/gpu", config.gpus[0].uuid or "")] + [
-        pod("inf", f"serve-{r}", "srv", "nvidia.com/gpu", f"{shared}::{r}") for r in range(3)
-    ]
+    real_kubelet.pods = [
+        pod("ml", "train", "main", "nvidia.com/gpu", config.gpus[0].uuid or "")
+    ] + [pod("inf", f"serve-{r}", "srv", "nvidia.com/gpu", f"{shared}::{r}") for r in range(3)]
+    real_kubelet.publish()
     out = io.BytesIO()
-    async with running_agent(make_agent(fake_nvml, kubelet, out)) as agent:
+    async with running_agent(make_agent(fake_nvml, real_kubelet, out)) as agent:
         await eventually(lambda: len(allocations(out)) == 4)
-        kubelet.pods = kubelet.pods[:1] + kubelet.pods[2:]  # serve-0 goes away
+        real_kubelet.pods = real_kubelet.pods[:1] + real_kubelet.pods[2:]  # serve-0 goes away
+        real_kubelet.publish()
         await eventually(lambda: len(allocations(out)) == 5)
         assert agent.trail.status()["open"] == 3
     records = allocations(out)
@@ -90,28 +101,30 @@ async def test_start_and_end_records(fake_nvml: FakeNvml, kubelet: FakeKubelet) 
 
 
 async def test_restart_with_state_dir_closes_what_ended_meanwhile(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, tmp_path: Path
 ) -> None:
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
     uuids = [g.uuid or "" for g in config.gpus]
-    kubelet.pods = [
+    real_kubelet.pods = [
         pod("a", "stays", "c", "nvidia.com/gpu", uuids[0]),
         pod("a", "leaves", "c", "nvidia.com/gpu", uuids[1]),
     ]
+    real_kubelet.publish()
     first = io.BytesIO()
-    async with running_agent(make_agent(fake_nvml, kubelet, first, state_dir=str(tmp_path))):
+    async with running_agent(make_agent(fake_nvml, real_kubelet, first, state_dir=str(tmp_path))):
         await eventually(lambda: len(allocations(first)) == 2)
     assert (tmp_path / STATE_FILE).exists()
 
     # while the agent is down: one pod ends, another starts
-    kubelet.pods = [kubelet.pods[0], pod("a", "arrives", "c", "nvidia.com/gpu", uuids[2])]
+    real_kubelet.pods = [real_kubelet.pods[0], pod("a", "arrives", "c", "nvidia.com/gpu", uuids[2])]
+    real_kubelet.publish()
     second = io.BytesIO()
-    agent = make_agent(fake_nvml, kubelet, second, state_dir=str(tmp_path))
+    agent = make_agent(fake_nvml, real_kubelet, second, state_dir=str(tmp_path))
     async with running_agent(agent):
         await eventually(lambda: len(allocations(second)) == 2)
-        calls = kubelet.calls["List"]
-        await eventually(lambda: kubelet.calls["List"] > calls + 3)
+        answered = polls(agent)
+        await eventually(lambda: polls(agent) > answered + 3)
     records = allocations(second)
     assert len(records) == 2  # no second start for "stays"
     ended, started = by_pod(records, "end"), by_pod(records, "start")
@@ -126,15 +139,16 @@ async def test_restart_with_state_dir_closes_what_ended_meanwhile(
 
 
 async def test_restart_without_state_dir_reannounces_under_the_same_ids(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer
 ) -> None:
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
-    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.publish()
     runs = []
     for _ in range(2):
         out = io.BytesIO()
-        async with running_agent(make_agent(fake_nvml, kubelet, out)):
+        async with running_agent(make_agent(fake_nvml, real_kubelet, out)):
             await eventually(lambda out=out: allocations(out))  # type: ignore[misc]
         runs.append(allocations(out))
     assert [len(r) for r in runs] == [1, 1]
@@ -146,16 +160,20 @@ REJECTED_TOTAL = "gpuid_state_files_rejected_total"
 
 
 async def test_a_damaged_state_file_is_set_aside(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    fake_nvml: FakeNvml,
+    real_kubelet: KubeletServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpuid_agent")
     damaged = b'{"version": 1, "node": "node-a", "open": [{"pod": 1}]'
     (tmp_path / STATE_FILE).write_bytes(damaged)
     config = fakenvml.h100x8()
     fake_nvml.apply(config)
-    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", config.gpus[0].uuid or "")]
+    real_kubelet.publish()
     out = io.BytesIO()
-    agent = make_agent(fake_nvml, kubelet, out, state_dir=str(tmp_path))
+    agent = make_agent(fake_nvml, real_kubelet, out, state_dir=str(tmp_path))
     async with running_agent(agent):
         await eventually(lambda: allocations(out))
     assert by_pod(allocations(out), "start").keys() == {"p"}

@@ -1,4 +1,6 @@
-"""GPU health through the real pynvml and the fake libnvidia-ml.so.1, with a running agent."""
+"""GPU health through the real pynvml and the fake libnvidia-ml.so.1, with a running agent;
+the kubelet's allocatable GPUs from its own pod-resources server (Go, `real_kubelet`). No
+stand-in: the API server is not used, and the kubelet answers normally."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from gpuid_agent.sources.nvml.source import NvmlSource
 from gpuid_agent.state.health.tracker import HealthTracker
 from tests import fakenvml
 from tests.conftest import node_health, running_agent, settings
-from tests.fakekubelet import FakeKubelet
 from tests.fakenvml.fixtures import FakeNvml
+from tests.realkube.kubelet import KubeletServer
 from tests.waiting import eventually
 
 
@@ -265,16 +267,17 @@ async def test_expected_gpu_count(fake_nvml: FakeNvml) -> None:
     [(("0", "1", "2", "3"), "healthy"), (("0", "1", "2", "3", "4"), "unhealthy")],
 )
 async def test_expected_count_from_the_kubelets_allocatable_gpus(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, offered: tuple[str, ...], state: str
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer, offered: tuple[str, ...], state: str
 ) -> None:
     """EXPECTED_GPU_COUNT=-1 holds NVML's count to the GPUs the kubelet can allocate (by GPU
     index here, as some device plugins name them); a GPU the kubelet still offers but NVML no
     longer shows is the finding."""
-    kubelet.allocatable = (("nvidia.com/gpu", offered),)
+    real_kubelet.allocatable = (("nvidia.com/gpu", offered),)
+    real_kubelet.publish()
     async with agent_on(
         fake_nvml,
         fakenvml.gb200x4(),
-        pod_resources_socket=kubelet.socket_path,
+        pod_resources_socket=real_kubelet.socket_path,
         expected_gpu_count=-1,
     ) as run:
         check = await eventually(

@@ -1,6 +1,8 @@
 """The driver's recovery action (NVML field 230), NVIDIA's buckets on a whole node, resets
 clearing latched XIDs, and MIG-scoped XID holders: through the real pynvml, the fake
-libnvidia-ml.so.1 and a running agent."""
+libnvidia-ml.so.1 and a running agent, the holders from the kubelet's own pod-resources server
+(Go, `real_kubelet`). No stand-in: the API server is not used, and the kubelet answers
+normally."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi, _field_value
 from tests import fakenvml
 from tests.conftest import node_health, running_agent, settings
-from tests.fakekubelet import FakeKubelet, pod
+from tests.fakekubelet import pod
 from tests.fakenvml.fixtures import FakeNvml
+from tests.realkube.kubelet import KubeletServer
 from tests.test_health_nvml import agent_on
 from tests.test_health_workloads import _health
 from tests.waiting import eventually
@@ -134,18 +137,19 @@ async def test_an_8_gpu_node_gets_nvidias_verdicts_not_false_reboots(fake_nvml: 
 
 
 async def test_an_xid_on_a_mig_device_names_only_that_devices_holders(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet
+    fake_nvml: FakeNvml, real_kubelet: KubeletServer
 ) -> None:
     config = fakenvml.mig_h100()
     fake_nvml.apply(config)
     big, small = config.gpus[0].mig
-    kubelet.pods = [
+    real_kubelet.pods = [
         pod("research", "big", "w", "nvidia.com/mig-3g.40gb", big.uuid or ""),
         pod("research", "small", "w", "nvidia.com/mig-1g.10gb", small.uuid or ""),
     ]
+    real_kubelet.publish()
     out = io.BytesIO()
     s = settings(
-        pod_resources_socket=kubelet.socket_path,
+        pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
         nvml_library_path=str(fake_nvml.lib_path),
     )
