@@ -48,7 +48,11 @@ def documented_grants() -> set[Grant]:
 def granted(client: Client, namespace: str) -> set[Grant]:
     review = client.create(
         "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
-        {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview", "spec": {"namespace": namespace}},
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectRulesReview",
+            "spec": {"namespace": namespace},
+        },
     )
     assert not review["status"].get("incomplete"), review["status"]
     return {
@@ -60,39 +64,63 @@ def granted(client: Client, namespace: str) -> set[Grant]:
     }
 
 
-def allowed(client: Client, verb: str, resource: str, namespace: str = "default", group: str = "") -> bool:
+def allowed(
+    client: Client, verb: str, resource: str, namespace: str = "default", group: str = ""
+) -> bool:
     review = client.create(
         "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
         {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group, "namespace": namespace}},
+            "spec": {
+                "resourceAttributes": {
+                    "verb": verb,
+                    "resource": resource,
+                    "group": group,
+                    "namespace": namespace,
+                }
+            },
         },
     )
     return bool(review["status"]["allowed"])
 
 
 @pytest.fixture(scope="module")
-def every_feature(kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[AgentIdentity, Client, str]:
+def every_feature(
+    kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[AgentIdentity, Client, str]:
     """An install with every permission-bearing feature on (labels, Node conditions, pod
     attribution, DRA as this cluster serves it); its agent and a bare ServiceAccount beside it,
     whose rules are what any authenticated caller gets."""
     namespace = "gpu-rbac"
-    chart = render_for(kube_cluster, chart_values(health={"nodeConditions": True}), release="gpuid-rbac", namespace=namespace)
+    chart = render_for(
+        kube_cluster,
+        chart_values(health={"nodeConditions": True}),
+        release="gpuid-rbac",
+        namespace=namespace,
+    )
     installed = install(kube_cluster.admin, chart)
-    identity = agent_identity(kube_cluster, installed, unique("node"), tmp_path_factory.mktemp("rbac"))
+    identity = agent_identity(
+        kube_cluster, installed, unique("node"), tmp_path_factory.mktemp("rbac")
+    )
     kube_cluster.admin.create(
         f"/api/v1/namespaces/{namespace}/serviceaccounts",
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
     )
     token = kube_cluster.admin.create(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/nobody/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 600}},
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 600},
+        },
     )["status"]["token"]
     return identity, kube_cluster.as_token(token), namespace
 
 
-def test_rules_review_is_the_documented_table(every_feature: tuple[AgentIdentity, Client, str]) -> None:
+def test_rules_review_is_the_documented_table(
+    every_feature: tuple[AgentIdentity, Client, str],
+) -> None:
     identity, nobody, namespace = every_feature
     baseline = granted(nobody, namespace)
     for where in (namespace, "default", "kube-system"):  # cluster-wide: the same everywhere
@@ -128,16 +156,28 @@ async def test_the_agent_asks_for_exactly_what_it_is_granted(
     # Workloads whose owners the agent walks, and this node's ResourceSlice.
     namespace = unique("team")
     deploy = workload(admin, build.deployment("web", namespace=namespace))
-    rs = workload(admin, build.replicaset("web-5d9c", namespace=namespace, owners=[build.owner(deploy)]))
+    rs = workload(
+        admin, build.replicaset("web-5d9c", namespace=namespace, owners=[build.owner(deploy)])
+    )
     job = workload(admin, build.job("batch-1", namespace=namespace))
     create_pod(admin, pod(namespace, "web-5d9c-x1", node, owner=build.owner(rs)))
     create_pod(admin, pod(namespace, "batch-1-y2", node, owner=build.owner(job)))
     devices = [build.gpu_device(f"gpu-{i}", g.uuid or "") for i, g in enumerate(config.gpus)]
-    admin.create("/apis/resource.k8s.io/v1/resourceslices", build.resource_slice(f"{node}-gpu", node, devices))
-    real_kubelet.pods = [kubelet_pod(namespace, "web-5d9c-x1", "main", "nvidia.com/gpu", str(config.gpus[0].uuid))]
+    admin.create(
+        "/apis/resource.k8s.io/v1/resourceslices",
+        build.resource_slice(f"{node}-gpu", node, devices),
+    )
+    real_kubelet.pods = [
+        kubelet_pod(namespace, "web-5d9c-x1", "main", "nvidia.com/gpu", str(config.gpus[0].uuid))
+    ]
     real_kubelet.publish()
     # A condition left by an earlier run on a GPU since replaced: the agent clears it.
-    stale = {"type": "GpuXidError", "status": "True", "reason": "GpuRebootSuggested", "message": "GPU 1: XID 79"}
+    stale = {
+        "type": "GpuXidError",
+        "status": "True",
+        "reason": "GpuRebootSuggested",
+        "message": "GPU 1: XID 79",
+    }
     admin.strategic_patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [stale]}})
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(identity.kubeconfig))
@@ -150,16 +190,25 @@ async def test_the_agent_asks_for_exactly_what_it_is_granted(
         pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
     )
-    agent = Agent(s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())])
+    agent = Agent(
+        s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
+    )
     documented = documented_grants()
     async with running_agent(agent):
-        await eventually(lambda: {grant for grant, _ in used_grants(agent)} >= documented, within=30)
+        await eventually(
+            lambda: {grant for grant, _ in used_grants(agent)} >= documented, within=30
+        )
     used = used_grants(agent)
     assert {grant for grant, _ in used} == documented
-    assert {code for _, code in used} == {"200"}, used
+    assert {grant for grant, code in used if code == "200"} == documented
+    # A 409 may come back when the conditions write moved the Node between the labeller's read
+    # and its patch (retried at once); a refusal never.
+    assert not [(grant, code) for grant, code in used if code in ("401", "403")], used
 
 
-def test_agent_cannot_read_secrets_or_change_pods(every_feature: tuple[AgentIdentity, Client, str]) -> None:
+def test_agent_cannot_read_secrets_or_change_pods(
+    every_feature: tuple[AgentIdentity, Client, str],
+) -> None:
     identity, _, namespace = every_feature
     client = identity.client
     for verb in ("get", "list", "watch"):

@@ -52,7 +52,9 @@ def module_key(module: Path) -> str:
 
 def kubernetes_release(module: Path) -> str:
     """The k8s.io/kubernetes version go.mod requires ("v1.35.4")."""
-    found = re.search(r"^\s*(?:require\s+)?k8s\.io/kubernetes (v\S+)$", (module / "go.mod").read_text(), re.M)
+    found = re.search(
+        r"^\s*(?:require\s+)?k8s\.io/kubernetes (v\S+)$", (module / "go.mod").read_text(), re.M
+    )
     if found is None:
         raise BuildError(f"{module}/go.mod requires no k8s.io/kubernetes release")
     return found.group(1)
@@ -77,7 +79,9 @@ def _ldflags(name: str, module: Path) -> str:
 
 
 def _go() -> str:
-    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
+    go = shutil.which("go") or (
+        "/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None
+    )
     if go is None:
         raise BuildError("go not found: the suite builds kube-apiserver and etcd with Go")
     return go
@@ -106,7 +110,9 @@ def _build(name: str, module: Path, target: Path) -> None:
     command += ["-o", f"{staging}/"]
     # A main package is named after its directory: cmd/<program>, or the etcd module itself.
     command += [f"./cmd/{p}" for p in PROGRAMS[name]] if name == "kubernetes" else ["."]
-    print(f"building {name} ({' '.join(PROGRAMS[name])}) into {target}", file=sys.stderr, flush=True)
+    print(
+        f"building {name} ({' '.join(PROGRAMS[name])}) into {target}", file=sys.stderr, flush=True
+    )
     done = subprocess.run(command, cwd=module, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)

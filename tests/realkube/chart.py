@@ -29,9 +29,7 @@ ENFORCED_KINDS = (
 )
 
 
-def chart_values(
-    validation_actions: tuple[str, ...] = ("Deny",), **more: Any
-) -> dict[str, Any]:
+def chart_values(validation_actions: tuple[str, ...] = ("Deny",), **more: Any) -> dict[str, Any]:
     """Default values with the own-node policy forced on, as the suite's cluster runs it."""
     return {"ownNodePolicy": {"force": True, "validationActions": list(validation_actions)}, **more}
 
@@ -178,7 +176,9 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> Path:
     return path
 
 
-def wait_policy_enforced(cluster: KubeCluster, identity: AgentIdentity, timeout: float = 30.0) -> None:
+def wait_policy_enforced(
+    cluster: KubeCluster, identity: AgentIdentity, timeout: float = 30.0
+) -> None:
     """Until the admission policy refuses `identity` a dry-run label on another Node (a policy
     takes effect once the API server's informer has it and its binding)."""
     try:

@@ -253,15 +253,16 @@ class KubeCluster:
         the block: the way to see behaviour that depends on a flag without touching the main
         one."""
         port = free_port()
-        process = self._spawn(f"kube-apiserver-{port}", [*self.apiserver_args, f"--secure-port={port}", *extra])
+        process = self._spawn(
+            f"kube-apiserver-{port}", [*self.apiserver_args, f"--secure-port={port}", *extra]
+        )
         try:
             client = Client(f"https://127.0.0.1:{port}", self.admin_context)
             self.wait_ready(client)
             yield client
         finally:
-            process.terminate()
-            process.wait(timeout=15)
             self._processes.remove(process)
+            _end(process)
 
     def wait_ready(self, client: Client) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -276,11 +277,14 @@ class KubeCluster:
             except (OSError, ApiError, ValueError) as exc:
                 last = exc
             time.sleep(0.3)
-        raise RuntimeError(f"kube-apiserver not ready after {START_TIMEOUT:.0f} s ({last}): {self.log_tail()}")
+        raise RuntimeError(
+            f"kube-apiserver not ready after {START_TIMEOUT:.0f} s ({last}): {self.log_tail()}"
+        )
 
     def log_tail(self) -> str:
         return "\n".join(
-            f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in self.root.glob("*.log")
+            f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
+            for log in self.root.glob("*.log")
         )
 
     def compact(self) -> int:
@@ -293,16 +297,21 @@ class KubeCluster:
 
     def stop(self) -> None:
         for process in reversed(self._processes):
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-        for process in self._processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _end(process)
         self._processes.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL: kube-apiserver drains for over 10 s on SIGTERM, and nothing of
+    this throwaway cluster needs that."""
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        process.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _post_json(url: str, body: dict[str, Any]) -> Any:

@@ -45,7 +45,9 @@ def _claim(claim: KubeletClaim) -> dict[str, Any]:
     }
 
 
-def node_state(pods: Iterable[KubeletPod], allocatable: Devices | None, uids: dict[tuple[str, str], str]) -> dict[str, Any]:
+def node_state(
+    pods: Iterable[KubeletPod], allocatable: Devices | None, uids: dict[tuple[str, str], str]
+) -> dict[str, Any]:
     """The server's file for `pods` (uids kept per pod across publishes, as a pod keeps its)."""
     listed: list[dict[str, Any]] = []
     devices: dict[str, Any] = {}
@@ -64,7 +66,12 @@ def node_state(pods: Iterable[KubeletPod], allocatable: Devices | None, uids: di
                 devices[f"{uid}/{c.name}"] = _devices(c.devices)
             if c.claims:
                 claims[f"{uid}/{c.name}"] = [_claim(k) for k in c.claims]
-    return {"pods": listed, "devices": devices, "dynamicResources": claims, "allocatable": _devices(allocatable or ())}
+    return {
+        "pods": listed,
+        "devices": devices,
+        "dynamicResources": claims,
+        "allocatable": _devices(allocatable or ()),
+    }
 
 
 class KubeletServer:
@@ -99,7 +106,11 @@ class KubeletServer:
 
     def start(self) -> None:
         self.publish()
-        args = [str(build.program("podresources-server")), f"--socket={self.socket_path}", f"--state={self.state_path}"]
+        args = [
+            str(build.program("podresources-server")),
+            f"--socket={self.socket_path}",
+            f"--state={self.state_path}",
+        ]
         if self._feature_gates:
             args.append(f"--feature-gates={self._feature_gates}")
         with open(self.log, "ab") as log:
@@ -107,7 +118,9 @@ class KubeletServer:
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket_path):
             if self._process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"podresources-server did not start: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"podresources-server did not start: {self.log.read_text()[-2000:]}"
+                )
             time.sleep(0.02)
 
     def stop(self) -> None:

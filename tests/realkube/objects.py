@@ -17,7 +17,10 @@ def ensure_namespace(admin: Client, name: str) -> None:
     """The namespace and its `default` ServiceAccount (the ServiceAccount admission plugin
     refuses pods without it, and no controller creates it here)."""
     for path, obj in (
-        ("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+        (
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+        ),
         (
             f"/api/v1/namespaces/{name}/serviceaccounts",
             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}},
@@ -30,7 +33,9 @@ def ensure_namespace(admin: Client, name: str) -> None:
                 raise
 
 
-def node(name: str, *, labels: dict[str, str] | None = None, provider_id: str | None = None) -> dict[str, Any]:
+def node(
+    name: str, *, labels: dict[str, str] | None = None, provider_id: str | None = None
+) -> dict[str, Any]:
     spec: dict[str, Any] = {"providerID": provider_id} if provider_id else {}
     return {
         "apiVersion": "v1",

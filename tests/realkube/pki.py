@@ -41,7 +41,9 @@ class Authority:
     certificates (a common name and organizations, as Kubernetes reads user and groups)."""
 
     name: str = "gpuid test CA"
-    key: ec.EllipticCurvePrivateKey = field(default_factory=lambda: ec.generate_private_key(ec.SECP256R1()))
+    key: ec.EllipticCurvePrivateKey = field(
+        default_factory=lambda: ec.generate_private_key(ec.SECP256R1())
+    )
 
     def __post_init__(self) -> None:
         now = dt.datetime.now(dt.UTC)
@@ -56,7 +58,9 @@ class Authority:
             .not_valid_after(now + _LIFETIME)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(_usage(cert_sign=True), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False
+            )
             .sign(self.key, hashes.SHA256())
         )
 
@@ -91,7 +95,9 @@ class Authority:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(a)) for a in ips]),
                 critical=False,
-            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            ).add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+            )
         else:
             builder = builder.add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
@@ -99,7 +105,9 @@ class Authority:
         cert = builder.sign(self.key, hashes.SHA256())
         return cert.public_bytes(serialization.Encoding.PEM), key_pem(key)
 
-    def write(self, directory: Path, stem: str, common_name: str, **kwargs: tuple[str, ...]) -> tuple[Path, Path]:
+    def write(
+        self, directory: Path, stem: str, common_name: str, **kwargs: tuple[str, ...]
+    ) -> tuple[Path, Path]:
         """Issue and write `<stem>.crt` and `<stem>.key` (0600); their paths."""
         cert, key = self.issue(common_name, **kwargs)
         cert_path, key_path = directory / f"{stem}.crt", directory / f"{stem}.key"
