@@ -13,7 +13,10 @@ from gpuid_agent.sources.kube.client import warning_texts
 def test_texts_of_kube_apiserver_warnings() -> None:
     headers = CIMultiDict(
         [
-            ("Warning", '299 - "Validation failed for ValidatingAdmissionPolicy \'p\': may only modify its own Node"'),
+            (
+                "Warning",
+                "299 - \"Validation failed for ValidatingAdmissionPolicy 'p': may only modify its own Node\"",
+            ),
             ("Warning", '299 - "a \\"quoted\\" word"'),
             ("Content-Type", "application/json"),
         ]

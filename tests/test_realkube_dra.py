@@ -35,7 +35,9 @@ BIG_MIG = "gpu-0-mig-9-0-4"
 def resource_claim(admin: Client, namespace: str, name: str, node: str, *devices: str) -> None:
     """A ResourceClaim as the scheduler leaves it: created by the user, allocated on `node`."""
     ensure_namespace(admin, namespace)
-    requests = [{"name": f"r{i}", "exactly": {"deviceClassName": DRIVER}} for i in range(len(devices))]
+    requests = [
+        {"name": f"r{i}", "exactly": {"deviceClassName": DRIVER}} for i in range(len(devices))
+    ]
     admin.create(
         f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims",
         {
@@ -46,7 +48,8 @@ def resource_claim(admin: Client, namespace: str, name: str, node: str, *devices
         },
     )
     results = [
-        {"request": f"r{i}", "driver": DRIVER, "pool": node, "device": d} for i, d in enumerate(devices)
+        {"request": f"r{i}", "driver": DRIVER, "pool": node, "device": d}
+        for i, d in enumerate(devices)
     ]
     admin.merge_patch(
         f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}/status",
@@ -58,7 +61,11 @@ def resource_claim(admin: Client, namespace: str, name: str, node: str, *devices
 def claims(kube_cluster: KubeCluster, agent_node: AgentIdentity) -> dict[str, KubeletClaim]:
     admin, node = kube_cluster.admin, agent_node.node
     ml, research = unique("ml"), unique("research")  # the session's cluster is shared
-    wanted = {"train-gpu": (ml, "gpu-1"), "shared-gpu": (ml, "gpu-2"), "big-mig": (research, BIG_MIG)}
+    wanted = {
+        "train-gpu": (ml, "gpu-1"),
+        "shared-gpu": (ml, "gpu-2"),
+        "big-mig": (research, BIG_MIG),
+    }
     found = {}
     for name, (namespace, device) in wanted.items():
         resource_claim(admin, namespace, name, node, device)
@@ -83,9 +90,13 @@ async def test_claims_attributed_through_real_resourceslices(
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(agent_node.kubeconfig))
-    config = fakenvml.FakeNvmlConfig(gpus=[fakenvml.mig_h100().gpus[0], *fakenvml.h100x8().gpus[1:3]])
+    config = fakenvml.FakeNvmlConfig(
+        gpus=[fakenvml.mig_h100().gpus[0], *fakenvml.h100x8().gpus[1:3]]
+    )
     fake_nvml.apply(config)
-    kube_cluster.admin.create("/apis/resource.k8s.io/v1/resourceslices", node_slice(config, agent_node.node))
+    kube_cluster.admin.create(
+        "/apis/resource.k8s.io/v1/resourceslices", node_slice(config, agent_node.node)
+    )
     real_kubelet.pods = [
         claim_pod(claims["train-gpu"].namespace, "train-0", "trainer", claims["train-gpu"]),
         claim_pod(claims["shared-gpu"].namespace, "serve-a", "server", claims["shared-gpu"]),
@@ -99,9 +110,13 @@ async def test_claims_attributed_through_real_resourceslices(
         pod_resources_socket=real_kubelet.socket_path,
         pod_resources_interval=0.05,
     )
-    agent = Agent(s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())])
+    agent = Agent(
+        s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
+    )
     async with running_agent(agent):
-        await eventually(lambda: b'claim_name="big-mig"' in agent.renderer.current().text, within=30)
+        await eventually(
+            lambda: b'claim_name="big-mig"' in agent.renderer.current().text, within=30
+        )
         text = await get(agent, "/gpu/metrics")
         assert claim_rows(text) == {
             ("train-0", "", "train-gpu", "gpu-1", "dra"),

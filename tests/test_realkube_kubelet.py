@@ -39,7 +39,9 @@ def source(path: str, *, interval: float = 0.02, backoff_max: float = 0.1) -> Po
 
 
 def polls(src: PodResourcesSource, outcome: str) -> float:
-    return src.registry.get_sample_value("gpuid_pod_resources_polls_total", {"outcome": outcome}) or 0
+    return (
+        src.registry.get_sample_value("gpuid_pod_resources_polls_total", {"outcome": outcome}) or 0
+    )
 
 
 async def test_list_and_allocatable_from_the_kubelets_server(real_kubelet: KubeletServer) -> None:
@@ -48,27 +50,39 @@ async def test_list_and_allocatable_from_the_kubelets_server(real_kubelet: Kubel
             "ml",
             "train",
             (
-                KubeletContainer("main", (("nvidia.com/gpu", (GPU_A, GPU_B)), ("example.com/nic", ("nic0",)))),
+                KubeletContainer(
+                    "main", (("nvidia.com/gpu", (GPU_A, GPU_B)), ("example.com/nic", ("nic0",)))
+                ),
                 KubeletContainer("sidecar"),
             ),
         ),
         pod("research", "mig-job", "w", "nvidia.com/mig-1g.10gb", MIG),
         KubeletPod("kube-system", "no-devices", (KubeletContainer("c"),)),
     ]
-    real_kubelet.allocatable = (("nvidia.com/gpu", (GPU_A, GPU_B)), ("nvidia.com/mig-1g.10gb", (MIG,)))
+    real_kubelet.allocatable = (
+        ("nvidia.com/gpu", (GPU_A, GPU_B)),
+        ("nvidia.com/mig-1g.10gb", (MIG,)),
+    )
     real_kubelet.publish()
     src = source(real_kubelet.socket_path)
     try:
         assert await src.poll_once()
         snapshot = src.current()
         assert snapshot is not None and snapshot.pods == 3
-        assert {(a.namespace, a.pod, a.container, a.resource_name, a.device_id) for a in snapshot.assignments} == {
+        assert {
+            (a.namespace, a.pod, a.container, a.resource_name, a.device_id)
+            for a in snapshot.assignments
+        } == {
             ("ml", "train", "main", "nvidia.com/gpu", GPU_A),
             ("ml", "train", "main", "nvidia.com/gpu", GPU_B),
             ("research", "mig-job", "w", "nvidia.com/mig-1g.10gb", MIG),
         }
         assert snapshot.allocatable is not None
-        assert set(snapshot.allocatable) == {("nvidia.com/gpu", GPU_A), ("nvidia.com/gpu", GPU_B), ("nvidia.com/mig-1g.10gb", MIG)}
+        assert set(snapshot.allocatable) == {
+            ("nvidia.com/gpu", GPU_A),
+            ("nvidia.com/gpu", GPU_B),
+            ("nvidia.com/mig-1g.10gb", MIG),
+        }
         # A pod ends and another starts: the server reads its file again at the next call.
         real_kubelet.pods = [pod("ml", "next", "main", "nvidia.com/gpu", GPU_B)]
         real_kubelet.publish()
@@ -80,7 +94,13 @@ async def test_list_and_allocatable_from_the_kubelets_server(real_kubelet: Kubel
 
 async def test_ten_thousand_pods(real_kubelet: KubeletServer) -> None:
     real_kubelet.pods = [
-        pod(f"ns-{i % 50}", f"job-{i}", "main", "nvidia.com/gpu", f"GPU-{i:08x}-1111-4222-8333-444444444444")
+        pod(
+            f"ns-{i % 50}",
+            f"job-{i}",
+            "main",
+            "nvidia.com/gpu",
+            f"GPU-{i:08x}-1111-4222-8333-444444444444",
+        )
         for i in range(10_000)
     ]
     real_kubelet.publish()

@@ -74,14 +74,20 @@ async def test_serial_labels_reconciled_and_nothing_else_touched(
     )
     before = node_of(kube_cluster, name)
     async with running_agent(agent(agent_node, monkeypatch)) as running:
-        await eventually(lambda: ours(node_of(kube_cluster, name)["metadata"]["labels"]).get(f"{P}/gpu-count") == "4")
+        await eventually(
+            lambda: (
+                ours(node_of(kube_cluster, name)["metadata"]["labels"]).get(f"{P}/gpu-count") == "4"
+            )
+        )
         after = node_of(kube_cluster, name)
         labels = after["metadata"]["labels"]
         assert f"{P}/gpu-7" not in labels  # stale: removed
         assert {f"{P}/gpu-0", f"{P}/gpu-1", f"{P}/chassis"} <= set(labels)
         desired = ours(labels)
         others = {k: v for k, v in labels.items() if not k.startswith(f"{P}/")}
-        assert others == {k: v for k, v in before["metadata"]["labels"].items() if not k.startswith(f"{P}/")}
+        assert others == {
+            k: v for k, v in before["metadata"]["labels"].items() if not k.startswith(f"{P}/")
+        }
         assert after["spec"]["taints"] == before["spec"]["taints"]
         assert after["metadata"]["annotations"].get("owner") == "platform"
 

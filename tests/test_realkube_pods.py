@@ -36,7 +36,9 @@ def requests() -> Requests:
 
 
 async def agent_client(kubeconfig: Path, requests: Requests) -> KubeClient:
-    client = await create_kube_client("auto", environ={"KUBECONFIG": str(kubeconfig)}, observer=requests.observe)
+    client = await create_kube_client(
+        "auto", environ={"KUBECONFIG": str(kubeconfig)}, observer=requests.observe
+    )
     assert client is not None
     return client
 
@@ -77,10 +79,15 @@ async def test_owners_and_watches_the_server_ends(
 ) -> None:
     admin, ns, node = kube_cluster.admin, unique("team"), agent_node.node
     deploy = workload(admin, build.deployment("web", namespace=ns))
-    rs = workload(admin, build.replicaset("web-7d4b9c8f6d", namespace=ns, owners=[build.owner(deploy)]))
+    rs = workload(
+        admin, build.replicaset("web-7d4b9c8f6d", namespace=ns, owners=[build.owner(deploy)])
+    )
     cron = workload(admin, build.cronjob("nightly", namespace=ns))
     job = workload(admin, build.job("nightly-28901234", namespace=ns, owners=[build.owner(cron)]))
-    create_pod(admin, pod(ns, "web-7d4b9c8f6d-abcde", node, owner=build.owner(rs), labels={"team": "search"}))
+    create_pod(
+        admin,
+        pod(ns, "web-7d4b9c8f6d-abcde", node, owner=build.owner(rs), labels={"team": "search"}),
+    )
     create_pod(admin, pod(ns, "nightly-28901234-xyz", node, owner=build.owner(job)))
     create_pod(admin, pod(ns, "elsewhere", unique("other-node")))
     cache = PodCache(node, label_allowlist=["team"], watch_timeout=2)
@@ -90,7 +97,10 @@ async def test_owners_and_watches_the_server_ends(
         assert web is not None and (web.workload_kind, web.workload_name) == ("Deployment", "web")
         assert dict(web.labels) == {"team": "search"}
         nightly = cache.lookup(ns, "nightly-28901234-xyz")
-        assert nightly is not None and (nightly.workload_kind, nightly.workload_name) == ("CronJob", "nightly")
+        assert nightly is not None and (nightly.workload_kind, nightly.workload_name) == (
+            "CronJob",
+            "nightly",
+        )
         assert cache.lookup(ns, "elsewhere") is None
         # The server ends each 2 s watch, often with no event: resumed, never listed again.
         await eventually(lambda: requests.count("watch") >= 3, within=30)
@@ -137,7 +147,9 @@ async def test_resuming_after_a_compaction_lists_again_and_misses_nothing(
 ) -> None:
     admin, ns, node = kube_cluster.admin, unique("team"), agent_node.node
     create_pod(admin, pod(ns, "before", node))
-    kubeconfig = write_kubeconfig(tmp_path / "kc", uncached_apiserver.url, kube_cluster.ca_path, agent_node.token)
+    kubeconfig = write_kubeconfig(
+        tmp_path / "kc", uncached_apiserver.url, kube_cluster.ca_path, agent_node.token
+    )
     client = await agent_client(kubeconfig, requests)
     cache = PodCache(node, watch_timeout=30)
     try:

@@ -44,7 +44,9 @@ def other_node(kube_cluster: KubeCluster) -> str:
     return name
 
 
-def labelling_agent(identity: AgentIdentity, node_name: str, monkeypatch: pytest.MonkeyPatch) -> Agent:
+def labelling_agent(
+    identity: AgentIdentity, node_name: str, monkeypatch: pytest.MonkeyPatch
+) -> Agent:
     """The agent of `identity`'s pod, told it runs on `node_name` (NODE_NAME)."""
     monkeypatch.setenv("KUBECONFIG", str(identity.kubeconfig))
     s = settings(
@@ -56,7 +58,9 @@ def labelling_agent(identity: AgentIdentity, node_name: str, monkeypatch: pytest
         label_resync_interval=0.2,
         pod_resources_socket="/nonexistent/kubelet.sock",
     )
-    return Agent(s, nvml_api=SimulatedNvml("gb200x4", node_name), exporters=[StdoutExporter(io.BytesIO())])
+    return Agent(
+        s, nvml_api=SimulatedNvml("gb200x4", node_name), exporters=[StdoutExporter(io.BytesIO())]
+    )
 
 
 def test_token_of_node_a_may_label_node_a_only(
@@ -67,7 +71,10 @@ def test_token_of_node_a_may_label_node_a_only(
     own = f"/api/v1/nodes/{agent_node.node}"
     agent_client.strategic_patch(own, {"metadata": {"labels": {f"{P}/gpu-0": "S0"}}})
     refusals: dict[str, Any] = {
-        "another node": (f"/api/v1/nodes/{other_node}", {"metadata": {"labels": {f"{P}/gpu-0": "S0"}}}),
+        "another node": (
+            f"/api/v1/nodes/{other_node}",
+            {"metadata": {"labels": {f"{P}/gpu-0": "S0"}}},
+        ),
         "a label outside the prefix": (own, {"metadata": {"labels": {"team": "mine"}}}),
         "the spec": (own, {"spec": {"unschedulable": True}}),
     }
@@ -78,7 +85,9 @@ def test_token_of_node_a_may_label_node_a_only(
         assert refused.value.status == 403, what
         messages[what] = refused.value.body["message"]
     assert f"the gpuid agent on node {agent_node.node} {OWN_NODE}" in messages["another node"]
-    assert "may only change labels under gpuid.github.com/" in messages["a label outside the prefix"]
+    assert (
+        "may only change labels under gpuid.github.com/" in messages["a label outside the prefix"]
+    )
     assert "may not change a Node's spec" in messages["the spec"]
     b = kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")
     assert not any(k.startswith(f"{P}/") for k in b["metadata"]["labels"])
@@ -90,11 +99,15 @@ def test_kubelet_conditions_are_not_the_agents(
     identity = agent_identity(kube_cluster, chart_with_conditions, unique("node"), tmp_path)
     wait_policy_enforced(kube_cluster, identity)
     status = f"/api/v1/nodes/{identity.node}/status"
-    kube_cluster.admin.strategic_patch(status, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    kube_cluster.admin.strategic_patch(
+        status, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    )
     gpu = {"type": "GpuXidError", "status": "False", "reason": "GpuHealthy", "message": "ok"}
     identity.client.strategic_patch(status, {"status": {"conditions": [gpu]}})
     with pytest.raises(ApiError) as refused:
-        identity.client.strategic_patch(status, {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        identity.client.strategic_patch(
+            status, {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+        )
     assert "may not change the kubelet's Node conditions" in refused.value.body["message"]
 
 
@@ -108,9 +121,15 @@ async def test_agent_told_another_node_is_refused_and_says_why(
     caplog.set_level(logging.INFO, logger="gpuid_agent")
     wait_policy_enforced(kube_cluster, agent_node)
     async with running_agent(labelling_agent(agent_node, other_node, monkeypatch)) as agent:
-        state = await eventually(lambda: (c := agent.board.get("labels")) and c.state == "degraded" and c)
+        state = await eventually(
+            lambda: (c := agent.board.get("labels")) and c.state == "degraded" and c
+        )
         assert OWN_NODE in str(state.reason)
-    hints = [r for r in caplog.records if getattr(r, "hint", "").startswith("an admission policy refused")]
+    hints = [
+        r
+        for r in caplog.records
+        if getattr(r, "hint", "").startswith("an admission policy refused")
+    ]
     assert len(hints) == 1
     b = kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")
     assert not any(k.startswith(f"{P}/") for k in b["metadata"]["labels"])
@@ -124,8 +143,13 @@ async def test_warn_mode_lets_the_patch_through_and_the_agent_logs_the_warning_o
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpuid_agent")
-    chart = render_for(kube_cluster, chart_values(("Warn",)), release="gpuid-warn", namespace="gpu-warn")
-    identity = agent_identity(kube_cluster, install(kube_cluster.admin, chart), unique("node"), tmp_path)
+    chart = render_for(
+        kube_cluster, chart_values(("Warn",)), release="gpuid-warn", namespace="gpu-warn"
+    )
+    identity = agent_identity(
+        kube_cluster, install(kube_cluster.admin, chart), unique("node"), tmp_path
+    )
+
     # Warn mode refuses nothing: wait until the warning comes back instead.
     def warned() -> bool:
         identity.client.warnings.clear()
@@ -136,11 +160,23 @@ async def test_warn_mode_lets_the_patch_through_and_the_agent_logs_the_warning_o
 
     await eventually(warned, within=30)
     async with running_agent(labelling_agent(identity, other_node, monkeypatch)) as agent:
-        await eventually(lambda: f"{P}/gpu-count" in kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")["metadata"]["labels"])
+        await eventually(
+            lambda: (
+                f"{P}/gpu-count"
+                in kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")["metadata"]["labels"]
+            )
+        )
         # Several resyncs later (each re-reads the Node; a patch only on drift), and one
         # more patch after someone removes a label: still one warning line.
-        kube_cluster.admin.merge_patch(f"/api/v1/nodes/{other_node}", {"metadata": {"labels": {f"{P}/gpu-0": None}}})
-        await eventually(lambda: f"{P}/gpu-0" in kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")["metadata"]["labels"])
+        kube_cluster.admin.merge_patch(
+            f"/api/v1/nodes/{other_node}", {"metadata": {"labels": {f"{P}/gpu-0": None}}}
+        )
+        await eventually(
+            lambda: (
+                f"{P}/gpu-0"
+                in kube_cluster.admin.get(f"/api/v1/nodes/{other_node}")["metadata"]["labels"]
+            )
+        )
         assert agent.board.is_ok("labels")
     lines = [r for r in caplog.records if r.getMessage() == "the API server warned about a request"]
     assert len(lines) == 1
