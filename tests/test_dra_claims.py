@@ -1,6 +1,7 @@
 """DRA claims from the kubelet: NVIDIA device names parsed (hostile names included), the
-pod-resources `dynamic_resources` read through a real grpc.aio kubelet, and claims attributed
-through the node-local fallback when no ResourceSlices can be read."""
+pod-resources `dynamic_resources` read from the kubelet's own pod-resources server (Go,
+`real_kubelet`: its protobuf, share_id included), and claims attributed through the node-local
+fallback when no ResourceSlices can be read. No stand-in: nothing here is a fault."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from gpuid_agent.facts import GpuIdentity, MigDevice, NodeInventory
 from gpuid_agent.runtime.errors import DeviceIdError
 from gpuid_agent.runtime.metrics import AttributionMetrics
 from gpuid_agent.runtime.status import StatusBoard
+from gpuid_agent.simulate.pods import (
+    ClaimDevice,
+    KubeletClaim,
+    KubeletContainer,
+    KubeletPod,
+    claim_pod,
+    pod,
+)
 from gpuid_agent.sources.kubelet import (
     ClaimAssignment,
     DraDeviceName,
@@ -28,15 +37,7 @@ from gpuid_agent.sources.kubelet import (
 from gpuid_agent.sources.kubelet.claims import MAX_DEVICE_NAME
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
-from tests.fakekubelet import (
-    ClaimDevice,
-    FakeKubelet,
-    KubeletClaim,
-    KubeletContainer,
-    KubeletPod,
-    claim_pod,
-    pod,
-)
+from tests.realkube.kubelet import KubeletServer
 
 NODE = "node-a"
 GPU = "gpu.nvidia.com"
@@ -235,10 +236,11 @@ def source(path: str) -> PodResourcesSource:
 
 
 async def test_dynamic_resources_are_read_and_other_drivers_ignored(
-    kubelet: FakeKubelet, caplog: pytest.LogCaptureFixture
+    real_kubelet: KubeletServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    kubelet.pods = dra_pods()
-    src = source(kubelet.socket_path)
+    real_kubelet.pods = dra_pods()
+    real_kubelet.publish()
+    src = source(real_kubelet.socket_path)
     caplog.set_level(logging.DEBUG, logger="gpuid_agent.podresources")
     try:
         assert await src.poll_once()
@@ -263,8 +265,8 @@ async def test_dynamic_resources_are_read_and_other_drivers_ignored(
         await src.client.close()
 
 
-async def test_share_id_is_carried(kubelet: FakeKubelet) -> None:
-    kubelet.pods = [
+async def test_share_id_is_carried(real_kubelet: KubeletServer) -> None:
+    real_kubelet.pods = [
         claim_pod(
             "ml",
             "p",
@@ -272,7 +274,8 @@ async def test_share_id_is_carried(kubelet: FakeKubelet) -> None:
             KubeletClaim("ml", "slice-a", (ClaimDevice(GPU, NODE, "gpu-0", share_id="7f3e"),)),
         )
     ]
-    src = source(kubelet.socket_path)
+    real_kubelet.publish()
+    src = source(real_kubelet.socket_path)
     try:
         assert await src.poll_once()
         snap = src.current()
@@ -283,9 +286,10 @@ async def test_share_id_is_carried(kubelet: FakeKubelet) -> None:
         await src.client.close()
 
 
-async def test_fallback_attributes_full_gpus_and_says_so(kubelet: FakeKubelet) -> None:
-    kubelet.pods = dra_pods()
-    src = source(kubelet.socket_path)
+async def test_fallback_attributes_full_gpus_and_says_so(real_kubelet: KubeletServer) -> None:
+    real_kubelet.pods = dra_pods()
+    real_kubelet.publish()
+    src = source(real_kubelet.socket_path)
     try:
         assert await src.poll_once()
         result = attribute(inventory(), src.current(), slices=None)

@@ -1,15 +1,18 @@
 """The expected GPU count on a node that gets its GPUs only through DRA: the device plugin
 reports none, so the DRA driver's ResourceSlices say how many GPUs the node has, and a GPU
-that NVML loses fires the `gpu_count` check. /status says where the count came from."""
+that NVML loses fires the `gpu_count` check. /status says where the count came from.
+
+The agent tests read this node's ResourceSlice from the real kube-apiserver (the agent's
+pod-bound token, the chart's RBAC) and the kubelet's own pod-resources server (Go,
+`real_kubelet`); no stand-in. `test_simulated_dra_node_with_a_lost_gpu` runs the agent's own
+`--simulate dra` node, whose kubelet and slices are the simulation's."""
 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,11 +22,13 @@ from gpuid_agent.sources.kube.resourceslices import slice_devices
 from gpuid_agent.state.attribution.dra import slice_gpu_count
 from tests import conftest
 from tests.conftest import node_health, running_agent
-from tests.fakekube import FakeKube, objects, write_kubeconfig
-from tests.fakekubelet import FakeKubelet
+from tests.fakekube import objects
 from tests.fakenvml.fixtures import FakeNvml
+from tests.realkube.kubelet import KubeletServer
 from tests.test_dra_agent import (
     NODE,
+    DraNode,
+    dra_node,  # noqa: F401  (fixture)
     get,
     kubelet_pods,
     make_agent,
@@ -83,73 +88,84 @@ def test_the_count_is_the_distinct_minor_numbers(rows: list[tuple[int, bool, boo
 
 
 async def test_a_gpu_lost_on_a_dra_only_node_fires_the_count_check(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fake_nvml: FakeNvml,
+    real_kubelet: KubeletServer,
+    dra_node: DraNode,  # noqa: F811
 ) -> None:
     config = nvml_config()  # 3 GPUs, the first in MIG mode; the device plugin has none
     fake_nvml.apply(config)
-    kubelet.pods = kubelet_pods()
-    assert kubelet.allocatable == ()
-    async with FakeKube(resource_versions=("v1",)) as kube:
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url)))
-        kube.create(node_slice(config))
-        agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
-        async with running_agent(agent):
+    real_kubelet.pods = kubelet_pods(dra_node.node)
+    assert real_kubelet.allocatable == ()
+    real_kubelet.publish()
+    dra_node.publish(node_slice(config, dra_node.node))
+    agent = make_agent(
+        fake_nvml, real_kubelet, io.BytesIO(), node_name=dra_node.node, kube_api="auto"
+    )
+    async with running_agent(agent):
 
-            def count_check() -> Any:
-                return node_health(agent).node_checks.get("gpu_count")
+        def count_check() -> Any:
+            return node_health(agent).node_checks.get("gpu_count")
 
-            await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
+        async def counted_from_slices() -> Any:
+            # Once the device plugin was asked (it has no GPUs) and the slices were listed; until
+            # their first list arrives the kubelet's 0 is all the agent knows.
+            status = orjson.loads(await get(agent, "/status"))
+            asked = status["attribution"]["kubelet"]["gpu_devices_allocatable"] is not None
+            listed = status["health"]["expected_gpus"]["source"] == "DRA ResourceSlices"
+            return status if asked and listed else None
 
-            async def kubelet_read() -> Any:  # the device plugin's count, once it was asked
-                status = orjson.loads(await get(agent, "/status"))
-                allocatable = status["attribution"]["kubelet"]["gpu_devices_allocatable"]
-                return status if allocatable is not None else None
+        status = await eventually(counted_from_slices)
+        assert status["health"]["expected_gpus"] == {
+            "count": 3,
+            "source": "DRA ResourceSlices",
+        }
+        assert status["attribution"]["kubelet"]["gpu_devices_allocatable"] == 0
+        await eventually(lambda: (c := count_check()) is not None and c.state == "healthy")
 
-            status = await eventually(kubelet_read)
-            assert status["health"]["expected_gpus"] == {
-                "count": 3,
-                "source": "DRA ResourceSlices",
-            }
-            assert status["attribution"]["kubelet"]["gpu_devices_allocatable"] == 0
+        config.gpus[2].lost = True  # NVML loses GPU 2
+        fake_nvml.apply(config)
+        check = await eventually(
+            lambda: (c := count_check()) is not None and c.state == "unhealthy" and c
+        )
+        assert check.reason == "2 of 3 expected GPUs usable (DRA ResourceSlices)"
+        assert check.action == "reboot"
 
-            config.gpus[2].lost = True  # NVML loses GPU 2
-            fake_nvml.apply(config)
-            check = await eventually(
-                lambda: (c := count_check()) is not None and c.state == "unhealthy" and c
-            )
-            assert check.reason == "2 of 3 expected GPUs usable (DRA ResourceSlices)"
-            assert check.action == "reboot"
+        async def node_state() -> tuple[str, str] | None:
+            # /gpu/metrics is rendered off the loop: the snapshot with the change follows
+            [node] = samples(await get(agent, "/gpu/metrics"), "gpuid_node_health_state")
+            state = (node["check"], node["state"])
+            return state if state == ("gpu_count", "unhealthy") else None
 
-            async def node_state() -> tuple[str, str] | None:
-                # /gpu/metrics is rendered off the loop: the snapshot with the change follows
-                [node] = samples(await get(agent, "/gpu/metrics"), "gpuid_node_health_state")
-                state = (node["check"], node["state"])
-                return state if state == ("gpu_count", "unhealthy") else None
-
-            assert await eventually(node_state) == ("gpu_count", "unhealthy")
+        assert await eventually(node_state) == ("gpu_count", "unhealthy")
 
 
 async def test_the_device_plugin_count_wins_when_it_has_gpus(
-    fake_nvml: FakeNvml, kubelet: FakeKubelet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fake_nvml: FakeNvml,
+    real_kubelet: KubeletServer,
+    dra_node: DraNode,  # noqa: F811
 ) -> None:
     """A node with GPUs from both the device plugin and DRA: the kubelet's count is the one."""
     config = nvml_config()
     fake_nvml.apply(config)
-    kubelet.allocatable = [("nvidia.com/gpu", (config.gpus[1].uuid or "",))]
-    async with FakeKube(resource_versions=("v1",)) as kube:
-        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kc", kube.url)))
-        kube.create(node_slice(config))
-        agent = make_agent(fake_nvml, kubelet, io.BytesIO(), kube_api="auto")
-        async with running_agent(agent):
-            await eventually(
-                lambda: (
-                    (last := agent.bus.latest) is not None
-                    and last.expected_gpus == (1, "kubelet allocatable")
-                )
+    real_kubelet.allocatable = [("nvidia.com/gpu", (config.gpus[1].uuid or "",))]
+    real_kubelet.publish()
+    dra_node.publish(node_slice(config, dra_node.node))
+    agent = make_agent(
+        fake_nvml, real_kubelet, io.BytesIO(), node_name=dra_node.node, kube_api="auto"
+    )
+    async with running_agent(agent):
+        await eventually(
+            lambda: (
+                (last := agent.bus.latest) is not None
+                and last.expected_gpus == (1, "kubelet allocatable")
             )
-            await eventually(lambda: agent.attributor.dra_gpu_count() == 3)
-            status = orjson.loads(await get(agent, "/status"))
-            assert status["health"]["expected_gpus"]["source"] == "kubelet allocatable"
+        )
+        await eventually(lambda: agent.attributor.dra_gpu_count() == 3)
+        # a collection that knew the slices' count too
+        seq = agent.bus.latest.seq  # type: ignore[union-attr]
+        await eventually(lambda: agent.bus.latest.seq > seq)  # type: ignore[union-attr]
+        status = orjson.loads(await get(agent, "/status"))
+        assert status["health"]["expected_gpus"]["source"] == "kubelet allocatable"
 
 
 async def test_simulated_dra_node_with_a_lost_gpu() -> None:

@@ -1,4 +1,15 @@
-"""The pod-resources client and poller against a real grpc.aio kubelet on a unix socket."""
+"""The pod-resources client and poller on a unix socket.
+
+Against the kubelet's own pod-resources server (Go, `real_kubelet`): devices and allocatable
+devices read, the v1 wire (paths, field numbers, Get), a kubelet that comes up after the agent.
+
+The Python kubelet (`gpuid_agent.simulate.kubelet.FakeKubelet`, the `kubelet` fixture) stays
+for what the real server cannot be made to do: a restart that replaces the socket between
+polls (`test_kubelet_restart_mid_run`,
+`test_a_restarted_kubelet_is_asked_its_allocatable_devices_again`), injected gRPC status codes
+and delays (`test_unavailable_and_deadline_are_survived`,
+`test_stale_mapping_is_not_served_forever`), and a kubelet before 1.21 without
+GetAllocatableResources, its calls counted (`test_kubelet_without_get_allocatable`)."""
 
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ from gpuid_agent.sources.kubelet import (
 )
 from gpuid_agent.sources.kubelet.v1 import api_pb2
 from tests.fakekubelet import FakeKubelet, KubeletContainer, KubeletPod, pod
+from tests.realkube.kubelet import KubeletServer
 from tests.waiting import eventually
 
 GPU_A = "GPU-0a0a0a0a-1111-4222-8333-444444444444"
@@ -52,8 +64,8 @@ def metric(src: PodResourcesSource, name: str, **labels: str) -> float | None:
     return src.registry.get_sample_value(name, labels or None)
 
 
-async def test_list_keeps_gpu_devices_and_reads_allocatable(kubelet: FakeKubelet) -> None:
-    kubelet.pods = [
+async def test_list_keeps_gpu_devices_and_reads_allocatable(real_kubelet: KubeletServer) -> None:
+    real_kubelet.pods = [
         KubeletPod(
             "ml",
             "train",
@@ -71,8 +83,12 @@ async def test_list_keeps_gpu_devices_and_reads_allocatable(kubelet: FakeKubelet
         pod("ml", "other", "c", "example.com/accel", "0"),  # configured extra resource
         KubeletPod("kube-system", "no-devices", (KubeletContainer("c"),)),
     ]
-    kubelet.allocatable = (("nvidia.com/gpu", (GPU_A, GPU_B)), ("example.com/nic", ("nic0",)))
-    src = source(kubelet.socket_path)
+    real_kubelet.allocatable = (
+        ("nvidia.com/gpu", (GPU_A, GPU_B)),
+        ("example.com/nic", ("nic0",)),
+    )
+    real_kubelet.publish()
+    src = source(real_kubelet.socket_path)
     try:
         assert await src.poll_once()
         assert devices(src) == {
@@ -91,7 +107,7 @@ async def test_list_keeps_gpu_devices_and_reads_allocatable(kubelet: FakeKubelet
         await src.client.close()
 
 
-async def test_wire_is_kubelet_v1(kubelet: FakeKubelet) -> None:
+async def test_wire_is_kubelet_v1(real_kubelet: KubeletServer) -> None:
     """Paths and field numbers as a real kubelet serves them (package v1)."""
     service = api_pb2.DESCRIPTOR.services_by_name["PodResourcesLister"]
     assert service.full_name == "v1.PodResourcesLister"
@@ -127,8 +143,9 @@ async def test_wire_is_kubelet_v1(kubelet: FakeKubelet) -> None:
         descriptor = api_pb2.DESCRIPTOR.message_types_by_name[message]
         assert {f.name: f.number for f in descriptor.fields} == fields, message
 
-    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)]
-    async with grpc.aio.insecure_channel(f"unix://{kubelet.socket_path}") as channel:
+    real_kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)]
+    real_kubelet.publish()
+    async with grpc.aio.insecure_channel(f"unix://{real_kubelet.socket_path}") as channel:
         call = channel.unary_unary(
             "/v1.PodResourcesLister/Get",
             request_serializer=api_pb2.GetPodResourcesRequest.SerializeToString,
@@ -138,7 +155,9 @@ async def test_wire_is_kubelet_v1(kubelet: FakeKubelet) -> None:
         assert response.pod_resources.containers[0].devices[0].device_ids == [GPU_A]
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await call(api_pb2.GetPodResourcesRequest(pod_name="nope", pod_namespace="a"))
-        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        # the kubelet answers a plain error, which gRPC sends as UNKNOWN (not NOT_FOUND)
+        assert missing.value.code() == grpc.StatusCode.UNKNOWN
+        assert missing.value.details() == "pod nope in namespace a not found"
 
 
 async def test_socket_missing_at_start(kubelet_socket: str) -> None:
@@ -151,14 +170,14 @@ async def test_socket_missing_at_start(kubelet_socket: str) -> None:
         assert "missing" in (state.reason or "") and "no attribution yet" in (state.reason or "")
         assert metric(src, "gpuid_pod_resources_polls_total", outcome="socket_missing") == 1
 
-        server = FakeKubelet(kubelet_socket, [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)])
-        await server.start()
+        server = KubeletServer(kubelet_socket, [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)])
+        await asyncio.to_thread(server.start)  # the kubelet comes up after the agent
         try:
             assert await src.poll_once()
             assert devices(src) == {("a", "p", "c", "nvidia.com/gpu", GPU_A)}
             assert src.board.is_ok("pod-resources")
         finally:
-            await server.stop()
+            await asyncio.to_thread(server.stop)
     finally:
         await src.client.close()
 
