@@ -145,7 +145,11 @@ async def test_wire_is_kubelet_v1(real_kubelet: KubeletServer) -> None:
 
     real_kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)]
     real_kubelet.publish()
-    async with grpc.aio.insecure_channel(f"unix://{real_kubelet.socket_path}") as channel:
+    await check_get(real_kubelet.socket_path)
+
+
+async def check_get(socket_path: str) -> None:
+    async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
         call = channel.unary_unary(
             "/v1.PodResourcesLister/Get",
             request_serializer=api_pb2.GetPodResourcesRequest.SerializeToString,
@@ -158,6 +162,12 @@ async def test_wire_is_kubelet_v1(real_kubelet: KubeletServer) -> None:
         # the kubelet answers a plain error, which gRPC sends as UNKNOWN (not NOT_FOUND)
         assert missing.value.code() == grpc.StatusCode.UNKNOWN
         assert missing.value.details() == "pod nope in namespace a not found"
+
+
+async def test_the_python_kubelet_answers_get_as_the_real_one(kubelet: FakeKubelet) -> None:
+    """The stand-in the simulated node serves must not drift from the kubelet's own server."""
+    kubelet.pods = [pod("a", "p", "c", "nvidia.com/gpu", GPU_A)]
+    await check_get(kubelet.socket_path)
 
 
 async def test_socket_missing_at_start(kubelet_socket: str) -> None:

@@ -109,9 +109,10 @@ class _Servicer(_BASE):  # type: ignore[misc]
         for p in self._kubelet.pods:
             if p.name == request.pod_name and p.namespace == request.pod_namespace:
                 return api_pb2.GetPodResourcesResponse(pod_resources=_message(p))
+        # The kubelet returns a plain Go error here, which gRPC sends as UNKNOWN.
         await context.abort(
-            grpc.StatusCode.NOT_FOUND,
-            f"pod {request.pod_namespace}/{request.pod_name} not found",
+            grpc.StatusCode.UNKNOWN,
+            f"pod {request.pod_name} in namespace {request.pod_namespace} not found",
         )
         raise AssertionError("unreachable")  # pragma: no cover
 
