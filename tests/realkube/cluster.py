@@ -262,7 +262,7 @@ class KubeCluster:
             yield client
         finally:
             self._processes.remove(process)
-            _end(process)
+            end_process(process)
 
     def wait_ready(self, client: Client) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -297,14 +297,14 @@ class KubeCluster:
 
     def stop(self) -> None:
         for process in reversed(self._processes):
-            _end(process)
+            end_process(process)
         self._processes.clear()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _end(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL: kube-apiserver drains for over 10 s on SIGTERM, and nothing of
-    this throwaway cluster needs that."""
+def end_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 2 s: kube-apiserver drains for over 10 s on SIGTERM, and
+    nothing of these throwaway servers needs that."""
     with contextlib.suppress(ProcessLookupError):
         process.terminate()
     try:

@@ -22,6 +22,7 @@ from typing import Any
 
 from gpuid_agent.simulate.pods import Devices, KubeletClaim, KubeletPod
 from tests.realkube import build
+from tests.realkube.cluster import end_process
 
 
 def _devices(devices: Devices) -> list[dict[str, Any]]:
@@ -126,11 +127,6 @@ class KubeletServer:
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end_process(process)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
