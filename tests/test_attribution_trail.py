@@ -18,19 +18,20 @@ import pytest
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from gpuid_agent.facts import GpuIdentity
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.allocations import (
     AllocationTrail,
     TrailIdentity,
     allocation_record_id,
 )
-from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records.serialize import rfc3339, to_wire
 from gpuid_agent.sources.kube.pods import PodMeta
 from gpuid_agent.sources.kubelet import DeviceAssignment, PodResourcesSnapshot
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from gpuid_agent.state.allocation_trail import STATE_FILE
 from gpuid_agent.state.attribution import attribute
 from gpuid_agent.state.inventory import build_inventory
+from gpuid_agent.state.snapshot import NodeSnapshot
 from tests import fakenvml
 from tests.conftest import running_agent, settings
 from tests.fakekubelet import FakeKubelet, pod
@@ -198,13 +199,27 @@ async def test_an_unreachable_kubelet_ends_nothing(
     async with running_agent(agent):
         await eventually(lambda: allocations(out))
         await kubelet.stop()
-        await eventually(lambda: agent.attributor.current.state == "unavailable")
+        outage = await eventually(lambda: unavailable(agent))
         failures = agent.page.status()["attribution"]["kubelet"]
         assert failures["stale"] is True
+        # Five collections later, every snapshot still without the kubelet: the trail has taken
+        # some (it takes each as it comes, keeping only the newest), and none may end "p".
+        await eventually(lambda: (s := unavailable(agent)) and s.seq >= outage.seq + 5)
+        assert agent.trail.status()["open"] == 1
+        assert [r["event"] for r in allocations(out)] == ["start"]
+        back = rfc3339(datetime.now(UTC))
         kubelet.pods = []
         await kubelet.start()
         await eventually(lambda: len(allocations(out)) == 2)
-    assert [r["event"] for r in allocations(out)] == ["start", "end"]
+    start, end = allocations(out)
+    assert (start["event"], end["event"]) == ("start", "end")
+    assert end["end_observed"] is True and end["ended_at"] >= back  # seen gone once back
+
+
+def unavailable(agent: Agent) -> NodeSnapshot | None:
+    """The latest snapshot, if it has no attribution."""
+    latest = agent.bus.latest
+    return latest if latest is not None and latest.attribution.state == "unavailable" else None
 
 
 def test_mig_allocation_and_a_replaced_pod() -> None:
@@ -219,16 +234,7 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
         mig_enabled=True,
         mig_devices=(MigDevice(0, "MIG-11111111-0000-4000-8000-000000000000", 2, 0, "3g.40gb"),),
     )
-    inventory = build_inventory(
-        [gpu],
-        node="n",
-        cluster="c",
-        machine="m",
-        machine_source="test",
-        driver_version=None,
-        cuda_driver_version=None,
-        read_time=datetime.now(UTC),
-    )
+    inventory = inventory_of(gpu)
     snapshot = PodResourcesSnapshot(
         (DeviceAssignment("ns", "db-0", "pg", "nvidia.com/mig-3g.40gb", gpu.mig_devices[0].uuid),)
     )
@@ -258,6 +264,39 @@ def test_mig_allocation_and_a_replaced_pod() -> None:
     assert [(r["event"], r["pod_uid"]) for r in replaced] == [("end", "uid-1"), ("start", "uid-2")]
     assert replaced[0]["allocation_id"] == record["allocation_id"]
     assert replaced[1]["allocation_id"] != record["allocation_id"]
+
+
+def test_only_a_current_attribution_ends_or_starts_anything() -> None:
+    """The open set's own gate, without the bus's in front of it: an attribution with no
+    kubelet answer (unavailable) or no inventory yet (pending) holds nobody, and must not end
+    what is open; the current one that no longer lists the pod does."""
+    gpu = GpuIdentity(index=0, uuid="GPU-00000000-0000-4000-8000-000000000001", serial="S0")
+    inventory = inventory_of(gpu)
+    held = PodResourcesSnapshot((DeviceAssignment("ns", "p", "c", "nvidia.com/gpu", gpu.uuid),))
+    trail = AllocationTrail(TrailIdentity("c", "n", "src"), publish_durable=_never)
+    [start] = trail.owed(attribute(inventory, held), inventory)
+    for nobody in (attribute(inventory, None), attribute(None, PodResourcesSnapshot(()))):
+        assert nobody.state != "current" and nobody.allocations == ()
+        assert trail.owed(nobody, inventory) == []
+        assert trail.status()["open"] == 1
+    [end] = trail.owed(attribute(inventory, PodResourcesSnapshot(())), inventory)
+    assert (to_wire(end)["event"], to_wire(end)["allocation_id"]) == (
+        "end",
+        to_wire(start)["allocation_id"],
+    )
+
+
+def inventory_of(gpu: GpuIdentity) -> NodeInventory:
+    return build_inventory(
+        [gpu],
+        node="n",
+        cluster="c",
+        machine="m",
+        machine_source="test",
+        driver_version=None,
+        cuda_driver_version=None,
+        read_time=datetime.now(UTC),
+    )
 
 
 async def _never(records: list[dict[str, Any]]) -> None:

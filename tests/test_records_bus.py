@@ -75,21 +75,30 @@ async def test_reading_emitter_follows_the_bus_and_drains_on_close() -> None:
 
 
 async def test_trail_takes_only_current_attributions_with_pods_ready() -> None:
+    """With "a" open, each snapshot that would end it reaches the trail (published once the
+    one before is taken: none coalesced away, checked below) and ends nothing: an attribution
+    before the pods' metadata is in, one pending, one unavailable."""
     bus, out = SnapshotBus(), []
     trail = AllocationTrail(TrailIdentity("c1", "n1", "s"), publish_durable=collector(out))
     sub = bus.subscribe("allocations")
     task = asyncio.create_task(run_emitter(sub, trail))
     inv = inventory()
-    bus.publish(
-        snapshot(1, inv, Attribution("current", (alloc("a", "GPU-n1-0"),)), pods_ready=False)
-    )
-    bus.publish(snapshot(2, inv, Attribution("stale", ())))
-    await asyncio.sleep(0)
-    bus.publish(snapshot(3, inv, Attribution("current", (alloc("b", "GPU-n1-1"),))))
+    bus.publish(snapshot(1, inv, Attribution("current", (alloc("a", "GPU-n1-0"),))))
+    await eventually(lambda: out)
+    for seq, attribution, ready in (
+        (2, Attribution("current", ()), False),
+        (3, Attribution("pending"), True),
+        (4, Attribution("unavailable"), True),
+    ):
+        bus.publish(snapshot(seq, inv, attribution, pods_ready=ready))
+        await asyncio.sleep(0)  # the runner, woken by the publish, takes it before we go on
+    held = (alloc("a", "GPU-n1-0"), alloc("b", "GPU-n1-1"))
+    bus.publish(snapshot(5, inv, Attribution("current", held)))
     bus.close()
     await asyncio.wait_for(task, 5)
-    assert [(r["event"], r["pod"]) for r in out] == [("start", "b")]
-    assert trail.status()["open"] == 1
+    assert sub.coalesced == 0
+    assert [(r["event"], r["pod"]) for r in out] == [("start", "a"), ("start", "b")]
+    assert trail.status()["open"] == 2
 
 
 async def test_health_publisher_turns_every_snapshots_transitions_into_records() -> None:
