@@ -5,7 +5,9 @@ escaped as `\\xNN`, followed by continuation lines (` KEY=value`) that carry no 
 lines parsed, as the NVIDIA drivers print them:
 
     NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
+    NVRM: Xid (PCI:0000:18:00): 79, pid=1234, GPU has fallen off the bus.   (no name=)
     NVRM: Xid (PCI:0018:01:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 13 (0x00000082 0x00000004 ...)
+    NVRM: Xid (PCI:0018:01:00): 149, NETIR_LINK_EVT  Fatal   XC0 i0 Link 09 (0x025525c6 ...)
     NVRM: Xid (PCI:0000:b3:00): 154, GPU recovery action changed from 0x0 (None) to 0x1
           (GPU Reset Required)   (one line)
     NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.
@@ -13,6 +15,7 @@ lines parsed, as the NVIDIA drivers print them:
           fallen off the bus and is not responding to commands.   (one record or three)
     nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Non-fatal, Link 44 Minion Link DLREQ interrupt
 
+The driver pads NVLink5 lines into columns, so every run of blanks is read as one space.
 Anything else, or anything malformed, is None: a parser fed the whole kernel log never raises.
 Every number is bounded and every text cut to TEXT_MAX characters.
 """
@@ -28,7 +31,8 @@ _BLANKS = re.compile(r"\s+")
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 _PCI = r"(?:PCI:)?([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})(?:\.[0-7])?"
 _XID = re.compile(r"NVRM: Xid \(" + _PCI + r"\): (\d{1,5}),? ?(.*)")
-_PROCESS = re.compile(r"pid=([^,]{0,32}), name=([^,]{0,64}), ?(.*)")
+# `name=` is left out by some drivers (and when the process is gone): the pid still counts
+_PROCESS = re.compile(r"pid=([^,]{0,32}), (?:name=([^,]{0,64}), ?)?(.*)")
 _NVLINK5 = re.compile(
     r"([A-Z][A-Z0-9_]{0,40}) (Fatal|Nonfatal|Non-fatal) XC\d{1,3} i\d{1,3} Link (-?\d{1,3}) "
     r"\((0x[0-9a-fA-F]{1,8}) (0x[0-9a-fA-F]{1,8})"
@@ -138,7 +142,7 @@ def _xid(m: re.Match[str]) -> KernelXid | None:
     pid = process = None
     if (p := _PROCESS.match(rest)) is not None:
         pid = int(p.group(1)) if p.group(1).isdigit() and len(p.group(1)) < 11 else None
-        name = _clip(p.group(2))
+        name = _clip(p.group(2) or "")
         process = name[:64] if name and not name.startswith("<") else None
         rest = p.group(3)
     nvlink = action = action_text = None
@@ -181,7 +185,8 @@ class KernelLogParser:
         except (ValueError, IndexError):  # a malformed record: nothing to report
             return None
 
-    def _parse(self, message: str) -> KernelEvent | None:
+    def _parse(self, raw: str) -> KernelEvent | None:
+        message = _BLANKS.sub(" ", raw)  # column-aligned lines: one space between words
         if self._named_left > 0:
             self._named_left -= 1
         if "NVRM" not in message and "SXid" not in message:

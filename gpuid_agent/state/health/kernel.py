@@ -51,7 +51,7 @@ def xid_detail(line: KernelXid) -> XidDetail:
     if line.pid is not None or line.process:
         words.append(f"pid {line.pid if line.pid is not None else '?'} {line.process or ''}")
     text = "; ".join(w.strip() for w in words)
-    return XidDetail(subcode, bucket, text or None)
+    return XidDetail(subcode, bucket, text or None, recovery_action=line.recovery_action)
 
 
 class KernelLogWatch:

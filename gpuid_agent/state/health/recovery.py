@@ -15,18 +15,22 @@ from types import MappingProxyType
 from gpuid_agent.state.health.verdicts import HEALTHY, Action, CheckState, Verdict
 
 NONE = 0
-# nvmlDeviceGpuRecoveryAction_t -> (state, action, what the driver asks for)
-_ACTIONS: Mapping[int, tuple[CheckState, Action, str]] = MappingProxyType(
+# nvmlDeviceGpuRecoveryAction_t, named as nvml.h names it -> (state, action, what is asked).
+# 0-4 since R565; 5 (RECOVER_IMEX_DOMAIN) and 6-7 (BUS_RESET, SYSTEM_REBOOT) were added by
+# later headers (NVML 615's change log; nvidia-ml-py 13.615 defines all eight). A value this
+# table lacks is reported by its number.
+_ACTIONS: Mapping[int, tuple[str, CheckState, Action, str]] = MappingProxyType(
     {
-        1: ("unhealthy", "reset", "a GPU reset"),
-        2: ("unhealthy", "reboot", "a node reboot"),
-        3: ("degraded", "drain", "draining peer-to-peer traffic"),
-        4: ("unhealthy", "reset", "draining peer-to-peer traffic, then a GPU reset"),
-        5: ("degraded", "none", "recovering the IMEX domain"),
-        6: ("unhealthy", "reset", "a reset of the GPU's PCIe bus"),
-        7: ("unhealthy", "reboot", "a system reboot"),
+        1: ("GPU_RESET", "unhealthy", "reset", "a GPU reset"),
+        2: ("NODE_REBOOT", "unhealthy", "reboot", "a node reboot"),
+        3: ("DRAIN_P2P", "degraded", "drain", "draining peer-to-peer traffic"),
+        4: ("DRAIN_AND_RESET", "unhealthy", "reset", "draining, then a GPU reset"),
+        5: ("RECOVER_IMEX_DOMAIN", "degraded", "none", "recovering the IMEX domain"),
+        6: ("BUS_RESET", "unhealthy", "reset", "a reset of the GPU's PCIe bus"),
+        7: ("SYSTEM_REBOOT", "unhealthy", "reboot", "a system reboot"),
     }
 )
+HEADER_PREFIX = "NVML_GPU_RECOVERY_ACTION_"
 NOT_REPORTED = (
     "the driver does not report a recovery action (NVML field 230, R565+): "
     "XID 154 is judged by the catalogue"
@@ -38,6 +42,16 @@ def recovery_verdict(action: int) -> Verdict:
         return HEALTHY
     known = _ACTIONS.get(action)
     if known is None:
-        return Verdict("degraded", f"the driver reports recovery action {action}, unknown here")
-    state, suggested, what = known
-    return Verdict(state, f"the driver asks for {what} (NVML recovery action {action})", suggested)
+        return Verdict(
+            "degraded",
+            f"the driver reports recovery action {action}, which no nvml.h known here names",
+        )
+    name, state, suggested, what = known
+    reason = f"the driver asks for {what} ({HEADER_PREFIX}{name}, {action})"
+    return Verdict(state, reason, suggested)
+
+
+def action_name(action: int) -> str:
+    """The header's name of a recovery action value, or the value itself."""
+    known = _ACTIONS.get(action)
+    return f"{HEADER_PREFIX}{known[0]}" if known else str(action)

@@ -26,6 +26,7 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any, Literal, cast
 
+from gpuid_agent.state.health.recovery import recovery_verdict
 from gpuid_agent.state.health.verdicts import ACTIONS, Action
 
 XidState = Literal["healthy", "degraded", "unhealthy"]
@@ -44,6 +45,7 @@ class XidClass:
     bucket: str | None = None  # the catalogue's immediate resolution bucket
     known: bool = True  # False: the code is not in the catalogue
     needs_detail: bool = False  # NVIDIA decides it per subcode (kernel log)
+    recovery_action: int | None = None  # XID 154 judged by the action its line names
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class XidDetail:
     subcode: int | None = None
     bucket: str | None = None  # NVIDIA's immediate bucket for this subcode, when known
     text: str | None = None
+    recovery_action: int | None = None  # XID 154: the action the line says it changed to
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,13 +230,12 @@ def judge_xid(
     (144-150), the subcode's bucket decides; without it such a code is degraded with the
     advice to read the kernel log, never a latched reboot. XID 154 is judged from the
     driver's recovery action (field 230, the recovery check) where the driver has the field
-    (`recovery_field`); otherwise its catalogue bucket applies. The line's own words end the
-    reason.
+    (`recovery_field`); otherwise by the action its kernel line names, and without a line by
+    its catalogue bucket. The line's own words end the reason.
     """
     cls = classify_xid(code)
     if cls.code == RECOVERY_ACTION_XID and not recovery_field:
-        state, action, latched = _XID_154
-        cls = replace(cls, state=state, action=action, latched=latched)
+        cls = _recovery_without_field(cls, detail)
     judged = CATALOG.buckets.get(detail.bucket) if detail and detail.bucket else None
     if cls.needs_detail and judged is not None and detail is not None:
         state, action, latched = judged
@@ -252,6 +254,25 @@ def judge_xid(
     if detail is None or not detail.text:
         return cls
     return replace(cls, name=f"{cls.name} ({detail.text})"[:_NAME_MAX])
+
+
+def _recovery_without_field(cls: XidClass, detail: XidDetail | None) -> XidClass:
+    """XID 154 on a driver older than field 230: the line says which action the driver now
+    asks for (`... to 0x1 (GPU Reset Required)`), judged as the field's value would be; only
+    an XID without its line falls back to the catalogue's bucket."""
+    action_value = detail.recovery_action if detail is not None else None
+    if action_value is None:
+        state, action, latched = _XID_154
+        return replace(cls, state=state, action=action, latched=latched)
+    verdict = recovery_verdict(action_value)
+    judged = cast(XidState, verdict.state) if verdict.state in _STATES else "degraded"
+    return replace(
+        cls,
+        state=judged,
+        action=verdict.action,
+        latched=judged == "unhealthy",
+        recovery_action=action_value,
+    )
 
 
 def escalate(cls: XidClass, repeats: int, window: str) -> XidClass:

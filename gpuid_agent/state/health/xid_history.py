@@ -157,6 +157,7 @@ class XidHistory:
         return {
             "latched": [
                 {"code": code, "boot_id": boot, "bucket": cls.bucket}
+                | ({"recovery_action": cls.recovery_action} if cls.recovery_action else {})
                 for code, cls in sorted(self.latched.items())
             ],
             "boots": {str(code): list(seen) for code, seen in sorted(self.boots.items())},
@@ -185,7 +186,10 @@ class XidHistory:
             if boot is None or item.get("boot_id") != boot:
                 continue
             bucket = item.get("bucket")  # a kernel line's subcode bucket, kept
-            cls = judge_xid(int(item["code"]), XidDetail(bucket=bucket) if bucket else None)
+            action = item.get("recovery_action")  # XID 154 judged by its line's action
+            action = action if isinstance(action, int) and not isinstance(action, bool) else None
+            detail = XidDetail(bucket=bucket, recovery_action=action) if bucket or action else None
+            cls = judge_xid(int(item["code"]), detail, recovery_field=action is None)
             if cls.latched:
                 seen = len(self.boots.get(cls.code, ()))
                 self.latched[cls.code] = escalate_after_reboots(cls, seen)
