@@ -103,7 +103,7 @@ async def test_pcie_downtraining_is_one_transition_with_series_and_status(
         config.gpus[2].util_gpu, config.gpus[2].pcie_gen = 90, 3
         fake_nvml.apply(config)
         await eventually(lambda: run.check(2, "pcie").state == "degraded")
-        assert run.check(2, "pcie").reason == "PCIe link at Gen3 of Gen5 while busy"
+        assert run.check(2, "pcie").reason.startswith("PCIe link at Gen3 of Gen5 in ")
         config.gpus[2].pcie_gen = 5
         fake_nvml.apply(config)
         await eventually(lambda: run.check(2, "pcie").state == "healthy")

@@ -38,6 +38,7 @@ class GpuState:
     nvlink: NvLinkWatch = field(init=False)
     pcie_link: PcieLink | None = None  # as last read, for /gpu/metrics and /status
     nvlinks: tuple[NvLink, ...] = ()
+    nvlink_expected: str | None = None  # what the NVLinks are held to, for /status
     pcie_aer: PcieAer | None = None
 
     def __post_init__(self) -> None:
@@ -63,5 +64,6 @@ class GpuState:
             last_xid=self.xids.last,
             pcie=self.pcie_link,
             nvlinks=self.nvlinks,
+            nvlink_expected=self.nvlink_expected,
             pcie_aer=self.pcie_aer,
         )

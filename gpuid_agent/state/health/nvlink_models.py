@@ -1,6 +1,7 @@
 """What NVLinks each GPU model should have, kept as data in `nvlink_models.json`: the link
-count and per-link speed of SXM and superchip modules. Models not listed (PCIe cards, whose
-links depend on the bridges fitted) have no expectation."""
+count and per-link speed of SXM and superchip modules, each with its source. Models not
+listed (PCIe cards, whose links depend on the bridges fitted) are held to their peers only
+(`nvlink_peers`)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ class NvLinkModel:
     name: re.Pattern[str]
     links: int
     speed_mbps: int
+    source: str  # where the count and speed come from
 
 
 def parse_models(doc: dict[str, Any]) -> tuple[NvLinkModel, ...]:
     models = []
     for raw in doc["models"]:
-        links, speed = raw.get("links"), raw.get("speed_mbps")
+        links, speed, source = raw.get("links"), raw.get("speed_mbps"), raw.get("source")
         if not (
             isinstance(links, int) and 0 < links <= 18 and isinstance(speed, int) and speed > 0
         ):
             raise ValueError(f"NVLink model {raw!r}: links 1..18 and a positive speed wanted")
-        models.append(NvLinkModel(raw["model"], re.compile(raw["name"]), links, speed))
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"NVLink model {raw.get('model')!r}: its source is missing")
+        models.append(NvLinkModel(raw["model"], re.compile(raw["name"]), links, speed, source))
     return tuple(models)
 
 

@@ -36,6 +36,7 @@ from gpuid_agent.state.health import checks as rules
 from gpuid_agent.state.health.check_states import CheckStates
 from gpuid_agent.state.health.fabric import fabric_verdict
 from gpuid_agent.state.health.gpu_state import GpuState
+from gpuid_agent.state.health.nvlink_peers import NvLinkPeers, PeerInput, expectation, peer_views
 from gpuid_agent.state.health.nvswitch import SwitchErrors
 from gpuid_agent.state.health.recovery import NOT_REPORTED, recovery_verdict
 from gpuid_agent.state.health.verdicts import GPU_CHECKS, NodeHealth, Transition, Verdict, worst
@@ -76,6 +77,7 @@ class HealthTracker:
         self.unsaved = False  # what `as_state` gives changed since the last save
         self.kernel_log = kernel_log  # XIDs come from the kernel log too: pair them up
         self.switches = SwitchErrors(xid_hold)  # NVSwitch SXIDs, from the kernel log
+        self._peers: Mapping[str, NvLinkPeers] = {}  # per GPU, this collection's NVLink peers
 
     # ---- inputs --------------------------------------------------------------------------
 
@@ -99,6 +101,7 @@ class HealthTracker:
         # A GPU lost before it was ever read has no identity: it is shown (and counted) under
         # a placeholder until it is read, and then its state moves to its real UUID.
         gpus = [*gpus, *(_placeholder(i) for i in sorted(lost) if i not in known)]
+        self._peers = self._nvlink_peers(gpus, signals)
         unusable = 0
         for gpu in gpus:
             state = self._gpus.get(gpu.uuid)
@@ -276,15 +279,36 @@ class HealthTracker:
             return self._missing(sig, "pcie_link")
         return state.pcie.verdict(sig.pcie, sig.pcie_replays, sig.utilization, now, sig.pcie_aer)
 
+    def _nvlink_peers(
+        self, gpus: Sequence[GpuIdentity], signals: Mapping[int, GpuHealthSignals]
+    ) -> Mapping[str, NvLinkPeers]:
+        def links(index: int) -> tuple[Any, ...] | None:
+            sig = signals.get(index)
+            return None if sig is None or sig.lost else sig.nvlinks
+
+        return peer_views(
+            [
+                PeerInput(
+                    g.uuid,
+                    g.name,
+                    links(g.index),
+                    frozenset(s.nvlink.seen_up) if (s := self._gpus.get(g.uuid)) else frozenset(),
+                )
+                for g in gpus
+            ]
+        )
+
     def _nvlink(self, state: GpuState, sig: GpuHealthSignals, now: float) -> Verdict:
         links = sig.nvlinks or ()
-        if state.nvlinks != links:
-            state.nvlinks = links
+        peers = self._peers.get(state.uuid)
+        expected = expectation(state.nvlink.expected, peers, state.name) if links else None
+        if state.nvlinks != links or state.nvlink_expected != expected:
+            state.nvlinks, state.nvlink_expected = links, expected
             self._snapshot = None
         if sig.nvlinks is None:
             return self._missing(sig, "nvlink")
         seen = len(state.nvlink.seen_up)
-        verdict = state.nvlink.verdict(sig.nvlinks, now)
+        verdict = state.nvlink.verdict(sig.nvlinks, now, peers)
         if len(state.nvlink.seen_up) != seen:
             self.unsaved = True
         return verdict

@@ -122,6 +122,7 @@ class GpuHealth:
     pcie: PcieLink | None = None  # the link as last read
     nvlinks: tuple[NvLink, ...] = ()
     pcie_aer: PcieAer | None = None  # the AER counters as last read
+    nvlink_expected: str | None = None  # what the NVLinks are held to (table, peers or none)
 
     def as_dict(self) -> dict[str, Any]:
         links: dict[str, Any] = {}
@@ -129,6 +130,8 @@ class GpuHealth:
             links["pcie"] = self.pcie._asdict()
         if self.nvlinks:
             links["nvlink_down"] = [lk.link for lk in self.nvlinks if not lk.active]
+        if self.nvlink_expected is not None:
+            links["nvlink_expected"] = self.nvlink_expected
         return {
             "index": self.index,
             "uuid": self.uuid,
