@@ -121,14 +121,14 @@ class HealthTracker:
             if lost_reason is not None:
                 unusable += 1
             reset = state.resets.observe(sig, lost_reason)
-            if reset is not None and state.xids.clear():
+            if cleared := reset is not None and state.xids.clear():
                 self.unsaved = True
                 _log.info(
                     "GPU reset seen: latched XIDs cleared",
                     extra={"gpu": gpu.index, "uuid": gpu.uuid, "why": reset},
                 )
             verdicts = self._gpu_verdicts(state, sig, lost_reason, now)
-            transitions.extend(self._apply(state, verdicts, wall))
+            transitions.extend(self._apply(state, verdicts, wall, "reset" if cleared else ""))
         present = {g.uuid for g in gpus}
         for uuid in [u for u in self._gpus if u not in present]:
             del self._gpus[uuid]  # gone from the node: the count check speaks for it
@@ -189,10 +189,10 @@ class HealthTracker:
         state = next((s for s in self._gpus.values() if selector in (s.uuid, str(s.index))), None)
         if state is None:
             return []
-        if state.xids.clear():
-            self.unsaved = True
+        self.unsaved |= state.xids.clear()
         self._snapshot = None
-        return self._apply(state, {"xid": self._xid_verdict(state, self._clock())}, self._wall())
+        verdict = {"xid": self._xid_verdict(state, self._clock())}
+        return self._apply(state, verdict, self._wall(), "operator")
 
     # ---- across restarts -----------------------------------------------------------------
 
@@ -360,7 +360,7 @@ class HealthTracker:
     # ---- transitions ---------------------------------------------------------------------
 
     def _apply(
-        self, state: GpuState, verdicts: Mapping[str, Verdict], wall: datetime
+        self, state: GpuState, verdicts: Mapping[str, Verdict], wall: datetime, by: str = ""
     ) -> list[Transition]:
         changed, dirty = state.states.apply(verdicts, wall)
         if dirty:
@@ -369,8 +369,8 @@ class HealthTracker:
             return []
         gpu_state, _ = worst(state.states.current.values())
         return [
-            Transition(name, current, previous, state.uuid, state.index, gpu_state)
-            for name, current, previous in changed
+            Transition(name, now, was, state.uuid, state.index, gpu_state, cleared_by=by or None)
+            for name, now, was in changed
         ]
 
     def _apply_node(self, verdicts: Mapping[str, Verdict], wall: datetime) -> list[Transition]:

@@ -179,3 +179,6 @@ class Transition:
     # an XID raised on one MIG device: (GPU instance, compute instance or None); its holders
     # are that device's only
     mig_instance: tuple[int, int | None] | None = None
+    # the GPU's held XIDs were cleared in the same look: "reset" (seen through NVML) or
+    # "operator" (`gpuid-agent health clear`); None otherwise
+    cleared_by: str | None = None
