@@ -148,11 +148,13 @@ class SimulatedNvml:
         gpu = self._gpu(handle)
         if gpu.mig:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        load = self._load(gpu)
+        return min(100, round(100 * load)), min(100, round(60 * load))
+
+    def _load(self, gpu: SimGpu) -> float:  # 0-1: its processes' SM shares, or a slow wave
         if gpu.telemetry_from_processes:
-            sm = sum(self._sm(gpu, p) for p in gpu.processes)
-            return min(100, round(sm)), min(100, round(sm * 0.6))
-        load = self._wave(gpu, 30.0)
-        return round(100 * load), round(60 * load)
+            return sum(self._sm(gpu, p) for p in gpu.processes) / 100
+        return self._wave(gpu, 30.0)
 
     def memory_info(self, handle: Any) -> tuple[int, int, int]:
         if isinstance(handle, SimMig):
@@ -285,7 +287,7 @@ class SimulatedNvml:
 
     def pcie_link_gen(self, handle: Any) -> int:
         gpu = self._gpu(handle)
-        if self._wave(gpu, 30.0) < 0.1:
+        if self._load(gpu) < 0.1:
             return 1  # an idle link drops its generation to save power, as real ones do
         return 3 if self._fault(gpu, "pcie-gen") else 5
 
@@ -293,9 +295,7 @@ class SimulatedNvml:
         self._gpu(handle)
         return 5
 
-    def pcie_link_gpu_max_gen(self, handle: Any) -> int:
-        self._gpu(handle)
-        return 5
+    pcie_link_gpu_max_gen = pcie_link_max_gen  # the GPU's own maximum is the slot's
 
     def pcie_link_width(self, handle: Any) -> int:
         return 8 if self._fault(self._gpu(handle), "pcie-down") else 16
