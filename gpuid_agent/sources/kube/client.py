@@ -37,6 +37,8 @@ Observer = Callable[[str, str, str], None]  # (verb, resource, code)
 Query = Sequence[tuple[str, Any]]
 # A dict patch is merged the way kubectl's default patch merges it (lists by their merge key).
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+JSON = "application/json"  # a whole object, as a create sends it
 
 
 def describe_request(method: str, url: str, query: Any = None) -> tuple[str, str]:
@@ -189,13 +191,14 @@ class KubeClient:
         *,
         query: Query = (),
         body: Any = None,
+        content_type: str = STRATEGIC_MERGE_PATCH,
         within: float,
     ) -> Any:
         """One request, answered with the unread response (any status; release it). A dict
-        `body` is sent as a strategic-merge patch."""
+        `body` is sent as `content_type`, a strategic-merge patch unless told otherwise."""
         headers = {"Accept": "application/json"}
         if body is not None:
-            headers["Content-Type"] = STRATEGIC_MERGE_PATCH
+            headers["Content-Type"] = content_type
         code = "error"
         try:
             resp = await self.api.call_api(
@@ -235,11 +238,20 @@ class KubeClient:
             )
 
     async def request_json(
-        self, method: str, path: str, *, query: Query = (), body: Any = None, within: float
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Query = (),
+        body: Any = None,
+        content_type: str = STRATEGIC_MERGE_PATCH,
+        within: float,
     ) -> Any:
         """One request answered as parsed JSON; a non-2xx answer raises KubeApiError (no model
         deserialization: the callers read a few fields and must survive odd objects)."""
-        resp = await self.send(method, path, query=query, body=body, within=within)
+        resp = await self.send(
+            method, path, query=query, body=body, content_type=content_type, within=within
+        )
         try:
             data = await resp.read()
         finally:
