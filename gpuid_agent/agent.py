@@ -3,7 +3,7 @@ them as supervised tasks beside the HTTP server, and stops them in order.
 
     sources ─► Collector ─NodeSnapshot─► SnapshotBus ─┬─► renderer (/gpu/metrics)
                                                      ├─► readings, allocations, health ─► Pipeline
-                                                     └─► node labels, Node conditions
+                                                     └─► node labels, Node conditions, Events
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from aiohttp import web
 from gpuid_agent import __version__
 from gpuid_agent.delivery.exporters.base import Exporter
 from gpuid_agent.node.conditions import NodeConditionWriter
+from gpuid_agent.node.events import NodeEventWriter
 from gpuid_agent.node.labels.service import NodeLabelling
 from gpuid_agent.records.allocations import AllocationTrail, TrailIdentity
 from gpuid_agent.records.hardware import HardwareWatch
@@ -134,6 +135,9 @@ class Agent:
             labelling_config(s), node, self.metrics, self.board, self.identity.use_machine
         )
         self.conditions = NodeConditionWriter(node, self.board) if s.node_conditions else None
+        self.events = (
+            NodeEventWriter(node, self.board, self.metrics.node_events) if s.node_events else None
+        )
         self.page = StatusPage(
             status_config(s, env), identity=self.identity, bus=self.bus,
             stalled=self.collector.stalled, board=self.board, supervisor=self.supervisor,
@@ -224,6 +228,10 @@ class Agent:
                 "conditions-feed",
                 bus.subscribe("conditions").feed(lambda n: conditions.offer(n.health)),
             )
+        if (events := self.events) is not None and events.open(kube):
+            spawn("node-events", events.run())
+            spawn("events-feed", bus.subscribe("events", events=True).feed(events.offer))
+            self.hardware.listeners.append(events.offer_replaced)
         spawn("readiness", self.page.run())
         spawn("collector", self.collector.run())
         _log.info(

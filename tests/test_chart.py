@@ -182,7 +182,12 @@ def test_every_rendered_object_validates_strictly(case: tuple[Any, str]) -> None
         if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding"} and not obj["kind"].startswith(
             "ValidatingAdmissionPolicy"
         ):
-            assert obj["metadata"]["namespace"] == NAMESPACE, obj["kind"]
+            # Node events go to `default`, as the kubelet's do: the events Role is there
+            events = obj["kind"] in {"Role", "RoleBinding"} and obj["metadata"]["name"].endswith(
+                "-events"
+            )
+            wanted = "default" if events else NAMESPACE
+            assert obj["metadata"]["namespace"] == wanted, obj["kind"]
 
 
 def test_strict_validation_catches_a_misspelt_field() -> None:
@@ -207,6 +212,7 @@ ALLOWED_RULES = {
     ("apps", "replicasets"): {"get"},
     ("batch", "jobs"): {"get"},
     ("resource.k8s.io", "resourceslices"): {"list", "watch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
 }
 
 
@@ -238,7 +244,34 @@ def test_default_rbac_is_exactly_the_documented_list() -> None:
     health = _grants(rendered("own-node-policy-values.yaml", newest_supported()))
     assert health[("", "nodes/status")] == {"patch"}
     dry_run = _grants(rendered("nonroot-values.yaml", newest_supported()))
-    assert dry_run == {("", "nodes"): {"get"}}, "dry-run labels and no attribution"
+    assert dry_run == {("", "nodes"): {"get"}}, "dry-run labels, no attribution, no events"
+
+
+def test_events_are_granted_in_the_default_namespace_only() -> None:
+    result = rendered("default-values.yaml", newest_supported())
+    [role] = result.of_kind("Role")
+    [binding] = result.of_kind("RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "default"
+    assert role["rules"] == [
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    account = result.one("DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    assert not any(
+        "events.k8s.io" in rule["apiGroups"] for rule in result.one("ClusterRole")["rules"]
+    )
+    env = _env(agent_container(result.one("DaemonSet")))
+    assert env["NODE_EVENTS"]["value"] == "true"
+    off = render({"health": {"nodeEvents": False}}, kube_version=newest_supported())
+    assert not off.of_kind("Role") and not off.of_kind("RoleBinding")
+    assert _env(agent_container(off.one("DaemonSet")))["NODE_EVENTS"]["value"] == "false"
 
 
 def test_role_is_bound_to_the_agent_service_account() -> None:
@@ -667,6 +700,7 @@ _CI_OPTIONS = (
     "settings",
     "extraEnv",
     "nodeConditions",
+    "nodeEvents",
     "metricsNaming",
     "digest",
 )

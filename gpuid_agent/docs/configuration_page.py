@@ -35,7 +35,7 @@ SETTING_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Accounting", ("accounting_",)),
     ("Node labels and machine identity", ("labels", "label_", "dmi_", "machine_")),
     ("Serving", ("server_", "metrics_", "log_")),
-    ("Health", ("expected_gpu_", "node_conditions", "health_", "xid_")),
+    ("Health", ("expected_gpu_", "node_conditions", "node_events", "health_", "xid_")),
 )
 
 

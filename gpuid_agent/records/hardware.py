@@ -11,7 +11,7 @@ exporters deduplicate.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gpuid_agent.facts import GpuIdentity, NodeInventory
@@ -66,7 +66,9 @@ class HardwareWatch(Emitter):
         self._publish_durable = publish_durable
         self.slots = GpuSlots(state_dir)
         self.sent = 0
-        self._latest: NodeInventory | None = None
+        self._latest: NodeSnapshot | None = None
+        # told of each change found, with the snapshot it was found in (Node events)
+        self.listeners: list[Callable[[Sequence[HardwareRecord], NodeSnapshot], None]] = []
 
     def owed(self, inventory: NodeInventory) -> list[HardwareRecord]:
         """Records for what changed since the last inventory; updates the slots."""
@@ -87,14 +89,16 @@ class HardwareWatch(Emitter):
         return records
 
     def note(self, snapshot: NodeSnapshot) -> None:
-        self._latest = snapshot.inventory
+        self._latest = snapshot
 
     async def flush(self) -> None:
-        inventory, self._latest = self._latest, None
+        snapshot, self._latest = self._latest, None
         state = self.slots
         before = None if state.serials is None else dict(state.serials)
-        if inventory is not None:
-            state.pending.extend(to_wire(r) for r in self.owed(inventory))
+        if snapshot is not None and (found := self.owed(snapshot.inventory)):
+            state.pending.extend(to_wire(r) for r in found)
+            for listener in self.listeners:
+                listener(found, snapshot)
         if state.pending:  # on the first flush: left by a kill before they reached the stores
             self.sent += await publish_owed(state, self._publish_durable)
         elif state.serials != before:

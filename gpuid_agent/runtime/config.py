@@ -318,6 +318,11 @@ class Settings(OtelSettings):
         "on a node with GPUs only through DRA the DRA driver's ResourceSlices.",
     )
     node_conditions: bool = Field(False, description="Write a Node condition per unhealthy GPU.")
+    node_events: bool = Field(
+        True,
+        description="Post Kubernetes Events on the Node for GPU health changes, GPUs replaced "
+        "and latched XIDs cleared (with API access).",
+    )
     health_window: PositiveDuration = Field(
         300.0, description="Window of the ECC-growth and clock-slowdown rate checks."
     )

@@ -158,6 +158,7 @@ class AgentMetrics:
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
         )
+        self.node_events = NodeEventMetrics(r)
 
     def set_gpus(self, count: int) -> None:
         self.gpus.set(count)
@@ -302,6 +303,34 @@ class AttributionMetrics:
             "gpuid_owner_lookups_total",
             "Workload owner lookups by outcome (cached, api, forbidden, not_found, error).",
             ["outcome"],
+            registry=r,
+        )
+
+
+class NodeEventMetrics:
+    """Kubernetes Events on the agent's Node (docs/health.md): created, merged, held back."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.created = Counter(
+            "gpuid_node_events",
+            "Kubernetes Events created on the agent's Node, by reason (a repeat joins the "
+            "Event's series instead: gpuid_node_event_repeats_total).",
+            ["reason"],
+            registry=r,
+        )
+        self.repeats = Counter(
+            "gpuid_node_event_repeats",
+            "Repeats of a Node Event merged into its series (count and last time, patched at "
+            "most every 10 s), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.dropped = Counter(
+            "gpuid_node_events_dropped",
+            "Node Events not written, by reason and cause (budget: over the write budget; "
+            "queue_full: the API unreachable too long; refused: the API server said no).",
+            ["reason", "cause"],
             registry=r,
         )
 

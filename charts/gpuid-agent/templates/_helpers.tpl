@@ -215,6 +215,7 @@ agent closes allocations that ended while it was down and sends no duplicate sta
 {{- $_ := set $env "MACHINE_ID_PATH" "" }}
 {{- end }}
 {{- $_ := set $env "NODE_CONDITIONS" ($v.health.nodeConditions | toString) }}
+{{- $_ := set $env "NODE_EVENTS" ($v.health.nodeEvents | toString) }}
 {{- range $name, $value := $v.settings }}
 {{- $_ := set $env $name (toString $value) }}
 {{- end }}
