@@ -5,19 +5,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.exporters.postgres import PostgresExporter, Tables
 from gpuid_agent.delivery.exporters.postgres.rows import reading_row
 from gpuid_agent.delivery.pipeline import BatchPolicy, ExporterWorker
 from gpuid_agent.delivery.spool import DiskSpool
-from gpuid_agent.records.serialize import to_wire
+from gpuid_agent.records import columns
+from gpuid_agent.records.serialize import rfc3339, to_wire
 from gpuid_agent.records.types import AnyRecord
 from gpuid_agent.runtime.errors import ExportError
 from gpuid_agent.runtime.metrics import AgentMetrics
@@ -29,7 +32,7 @@ from tests.exporter_support import (
     spool_files,
     wire_id,
 )
-from tests.record_strategies import RECORDS
+from tests.record_strategies import HASHABLE, INT, READINGS, RECORDS
 from tests.servers.postgres import PostgresCluster
 from tests.waiting import eventually
 
@@ -216,25 +219,82 @@ async def test_other_kinds_go_to_events(
     assert '"not a time"' in rows[1]["payload"]  # nothing lost, even what a column cannot hold
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+# Readings with a read_time the readings table takes (random text rarely is one), hostile
+# everywhere else, some with a value that must change to fit its column (an index past INTEGER,
+# a model past VARCHAR(255)): the readings table's own path, not only the events table's.
+OUTSIZED = st.sampled_from([2**31, -(2**31) - 1, 2**63 - 1, -(2**63)])
+LONG_TEXT = st.text(st.characters(exclude_categories=("Cs",)), min_size=256, max_size=300)
+TIMED_READINGS = st.builds(
+    lambda r, t, index, model: replace(r, read_time=rfc3339(t), index=index, model=model),
+    READINGS,
+    st.datetimes(timezones=st.just(UTC)),
+    INT | OUTSIZED,
+    st.none() | HASHABLE | LONG_TEXT,
 )
-@given(RECORDS)
+
+
+def as_stored(value: Any) -> Any:
+    """A value as PostgreSQL text and jsonb can hold it: strings without NUL characters, lone
+    surrogates replaced; integers from 2**63 in size as their decimal text (the JSON writer's
+    bound); nothing else changes."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        return str(value)
+    if isinstance(value, str):
+        return value.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {as_stored(k): as_stored(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_stored(v) for v in value]
+    return value
+
+
+def json_column(value: Any) -> Any:
+    return orjson.loads(value) if isinstance(value, str) else value
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(RECORDS | TIMED_READINGS)
 async def test_hostile_records_are_stored_not_refused(
     make: Factory, db: asyncpg.Connection, pg_schema: str, record: AnyRecord
 ) -> None:
+    """Each record is in its table afterwards, whole: every field as sent, in its column or
+    (changed to fit one) in the row's JSON, less only what PostgreSQL cannot hold."""
+    names = [f"{pg_schema}.{t}" for t in ("gpu_readings", "gpu_allocations", "gpu_events")]
+    for name in names:  # this example's rows alone (ids and allocation ids may repeat)
+        if await db.fetchval("SELECT to_regclass($1)", name) is not None:
+            await db.execute(f"TRUNCATE {name}")
     exporter = make()
     try:
         await exporter.export([record])
     finally:
         await exporter.close()
+    wire = to_wire(record)
+    sent = as_stored(wire)
     if record.kind == "allocation" and record.event != "usage":
         table = "gpu_allocations"
-    elif record.kind == "reading" and reading_row(to_wire(record)) is not None:
+    elif record.kind == "reading" and reading_row(wire) is not None:
         table = "gpu_readings"
     else:
         table = "gpu_events"
-    assert await db.fetchval(f"SELECT count(*) FROM {pg_schema}.{table}") >= 1
+    counts = {n.rpartition(".")[2]: await count(db, n) for n in names}
+    assert counts == {n: int(n == table) for n in counts}
+    row = await db.fetchrow(f"SELECT * FROM {pg_schema}.{table}")
+    if table == "gpu_readings":
+        kept = json_column(row["attributes"]) or {}
+        rebuilt = {c.source: row[c.name] for c in columns.READINGS if c.name != "attributes"}
+        assert rebuilt.pop("read_time") == datetime.fromisoformat(wire["read_time"])
+        assert rebuilt | kept == {k: v for k, v in sent.items() if k not in ("kind", "read_time")}
+        return
+    stored = json_column(row["attributes" if table == "gpu_allocations" else "payload"])
+    assert stored == sent
+    ids = (
+        {row["start_record_id"], row["end_record_id"]}
+        if table == "gpu_allocations"
+        else {row["record_id"]}
+    )
+    assert sent["record_id"] in ids or not sent["record_id"]  # none given: one is derived
 
 
 async def test_wrong_password_is_retryable_and_secret(
