@@ -135,12 +135,12 @@ class Agent:
             labelling_config(s), node, self.metrics, self.board, self.identity.use_machine
         )
         self.conditions = NodeConditionWriter(node, self.board) if s.node_conditions else None
-        self.page = StatusPage(
-            status_config(s, env), identity=self.identity, bus=self.bus,
-            stalled=self.collector.stalled, board=self.board, supervisor=self.supervisor,
         self.events = (
             NodeEventWriter(node, self.board, self.metrics.node_events) if s.node_events else None
         )
+        self.page = StatusPage(
+            status_config(s, env), identity=self.identity, bus=self.bus,
+            stalled=self.collector.stalled, board=self.board, supervisor=self.supervisor,
             pipeline=self.pipeline, metrics=self.metrics, attribution=self.attributor,
             parts={
                 "labels": self.labelling,
@@ -228,13 +228,13 @@ class Agent:
                 "conditions-feed",
                 bus.subscribe("conditions").feed(lambda n: conditions.offer(n.health)),
             )
-        spawn("readiness", self.page.run())
-        spawn("collector", self.collector.run())
-        _log.info(
         if (events := self.events) is not None and events.open(kube):
             spawn("node-events", events.run())
             spawn("events-feed", bus.subscribe("events", events=True).feed(events.offer))
             self.hardware.listeners.append(events.offer_replaced)
+        spawn("readiness", self.page.run())
+        spawn("collector", self.collector.run())
+        _log.info(
             "agent started",
             extra={
                 "version": __version__,

@@ -246,11 +246,6 @@ class Settings(OtelSettings):
     accounting_per_pod: bool = Field(
         False, description="Also expose workload GPU-seconds and energy per pod on /gpu/metrics."
     )
-    accounting_retention: PositiveDuration = Field(
-        3600.0,
-        description="How long a workload's (and a pod's) accounting series stay once it holds "
-        "no GPU; its end and usage records already carry its final counts.",
-    )
     gpu_resource_names: CommaList = Field(
         default_factory=list, description="Extra resource names that carry GPUs."
     )
@@ -323,16 +318,16 @@ class Settings(OtelSettings):
         "on a node with GPUs only through DRA the DRA driver's ResourceSlices.",
     )
     node_conditions: bool = Field(False, description="Write a Node condition per unhealthy GPU.")
-    health_window: PositiveDuration = Field(
-        300.0, description="Window of the ECC-growth and clock-slowdown rate checks."
-    )
-    xid_hold: PositiveDuration = Field(
-        600.0, description="How long a non-latching XID keeps its GPU degraded."
     node_events: bool = Field(
         True,
         description="Post Kubernetes Events on the Node for GPU health changes, GPUs replaced "
         "and latched XIDs cleared (with API access).",
     )
+    health_window: PositiveDuration = Field(
+        300.0, description="Window of the ECC-growth and clock-slowdown rate checks."
+    )
+    xid_hold: PositiveDuration = Field(
+        600.0, description="How long a non-latching XID keeps its GPU degraded."
     )
     xid_repeat_count: int = Field(
         3,

@@ -158,6 +158,7 @@ class AgentMetrics:
         self.health_check_success = Gauge(
             "gpuid_health_check_success", "1 when the agent is ready (/readyz).", registry=r
         )
+        self.node_events = NodeEventMetrics(r)
 
     def set_gpus(self, count: int) -> None:
         self.gpus.set(count)
@@ -172,7 +173,6 @@ class AgentMetrics:
             self.set_aside_batches,
             self.export_rejected_records,
         ):
-        self.node_events = NodeEventMetrics(r)
             counter.labels(name)
         for reason in DROP_REASONS:
             self.dropped_records.labels(name, reason)
@@ -307,20 +307,6 @@ class AttributionMetrics:
         )
 
 
-class ServerMetrics:
-    """The HTTP server's connections (idle ones closed by the keep-alive timer are not counted)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.connections = Gauge(
-            "gpuid_http_connections", "Open connections to the HTTP server.", registry=registry
-        )
-        self.closed = Counter(
-            "gpuid_http_connections_closed_total",
-            "Connections the HTTP server closed to make room (limit: SERVER_MAX_CONNECTIONS "
-            "reached; out_of_fds: no file descriptor left) or refused at once (refused).",
-            ["reason"],
-            registry=registry,
-        )
 class NodeEventMetrics:
     """Kubernetes Events on the agent's Node (docs/health.md): created, merged, held back."""
 
@@ -349,5 +335,19 @@ class NodeEventMetrics:
         )
 
 
+class ServerMetrics:
+    """The HTTP server's connections (idle ones closed by the keep-alive timer are not counted)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.connections = Gauge(
+            "gpuid_http_connections", "Open connections to the HTTP server.", registry=registry
+        )
+        self.closed = Counter(
+            "gpuid_http_connections_closed_total",
+            "Connections the HTTP server closed to make room (limit: SERVER_MAX_CONNECTIONS "
+            "reached; out_of_fds: no file descriptor left) or refused at once (refused).",
+            ["reason"],
+            registry=registry,
+        )
         for reason in ("limit", "out_of_fds", "refused"):
             self.closed.labels(reason)
