@@ -20,6 +20,9 @@ import orjson
 from pydantic_settings import NoDecode
 
 from gpuid_agent import __version__
+from gpuid_agent.docs.configuration_page import setting_group
+from gpuid_agent.history import command as history_command
+from gpuid_agent.history.command import SETTINGS as HISTORY_SETTINGS
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.config import Settings
 from gpuid_agent.runtime.config_checks import unused_settings
@@ -28,7 +31,7 @@ from gpuid_agent.runtime.errors import ConfigError, NvmlUnavailableError
 
 EXIT_CONFIG = 2
 EXIT_NVML = 3
-COMMANDS = ("run", "inventory", "check-config", "health")
+COMMANDS = ("run", "inventory", "check-config", "health", "history")
 EXIT_CODES = """\
 With no command, runs the agent: `gpuid-agent --simulate gb200x4` is `gpuid-agent run ...`.
 
@@ -45,12 +48,40 @@ NVML_HINT = (
 _log = log.get("cli")
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (each also read from its environment variable)")
+# The settings each command reads and so takes as flags (None: every one); the environment's
+# other variables do not apply to it.
+COMMAND_SETTINGS: dict[str, tuple[str, ...] | None] = {
+    "run": None,
+    "check-config": None,
+    "inventory": ("nvml_library_path", "simulate", "fault", "node_name"),
+    "health": ("state_dir",),
+    "history": HISTORY_SETTINGS,
+}
+SETTINGS_GROUP = "settings (each also read from its environment variable)"
+RUN_SETTINGS = """\
+Every setting is also read from its environment variable (--batch-size: BATCH_SIZE); a flag
+wins. docs/configuration.md describes each, with its default and type.
+"""
+
+
+def _add_setting_flags(
+    parser: argparse.ArgumentParser,
+    names: tuple[str, ...] | None = None,
+    *,
+    grouped: bool = False,
+) -> None:
+    """A flag per setting in `names` (None: all), under one heading, or (`grouped`) under a
+    heading per component as docs/configuration.md groups them."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in Settings.model_fields.items():
+        if names is not None and name not in names:
+            continue
+        title = setting_group(name) if grouped else SETTINGS_GROUP
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
         # comma-list settings may also be given as a repeated flag (--fault a --fault b)
         repeatable = NoDecode in field.metadata
-        group.add_argument(
+        groups[title].add_argument(
             f"--{name.replace('_', '-')}",
             dest=f"setting_{name}",
             metavar=name.upper(),
@@ -71,9 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     raw = argparse.RawDescriptionHelpFormatter  # keeps the exit-code table as written
     run = commands.add_parser(
-        "run", help="run the agent (default)", epilog=EXIT_CODES, formatter_class=raw
+        "run",
+        help="run the agent (default)",
+        description=RUN_SETTINGS,
+        epilog=EXIT_CODES,
+        formatter_class=raw,
     )
-    _add_setting_flags(run)
+    _add_setting_flags(run, grouped=True)
     inventory = commands.add_parser(
         "inventory",
         help="print what NVML shows on this node",
@@ -81,14 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     inventory.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _add_setting_flags(inventory)
+    _add_setting_flags(inventory, COMMAND_SETTINGS["inventory"])
     check = commands.add_parser(
         "check-config",
         help="print the effective config, secrets redacted",
+        description=RUN_SETTINGS,
         epilog=EXIT_CODES,
         formatter_class=raw,
     )
-    _add_setting_flags(check)
+    _add_setting_flags(check, grouped=True)
     health = commands.add_parser(
         "health",
         help="act on the running agent's GPU health (run inside its pod: kubectl exec)",
@@ -101,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="clear one GPU's latched XIDs after a repair (taken at the next collection)",
     )
     clear.add_argument("gpu", help="the GPU's UUID or index")
-    _add_setting_flags(clear)
+    _add_setting_flags(clear, COMMAND_SETTINGS["health"])
+    history_command.add_parser(
+        commands, lambda p: _add_setting_flags(p, COMMAND_SETTINGS["history"])
+    )
     return parser
 
 
@@ -217,12 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(_with_command(sys.argv[1:] if argv is None else argv))
     try:
-        settings = load_settings(_overrides(args))
+        settings = load_settings(_overrides(args), COMMAND_SETTINGS[args.command or "run"])
     except ConfigError as exc:
         print(f"gpuid-agent: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     log.configure(settings.log_level)
     _warn_unused(settings)
+    if args.command == "history":
+        return history_command.run(args, settings)
     if args.command == "check-config":
         body = orjson.dumps(settings.redacted(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
         sys.stdout.write(body.decode() + "\n")

@@ -39,7 +39,8 @@ SETTING_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def _group(name: str) -> str:
+def setting_group(name: str) -> str:
+    """The heading a setting is listed under (docs/configuration.md, `run --help`)."""
     for title, prefixes in SETTING_GROUPS:
         if any(name == p or (p.endswith("_") and name.startswith(p)) for p in prefixes):
             return title
@@ -117,16 +118,19 @@ def describe_default(field: FieldInfo) -> str:
 def configuration_page() -> str:
     by_group: dict[str, list[tuple[str, FieldInfo]]] = {}
     for name, field in Settings.model_fields.items():
-        by_group.setdefault(_group(name), []).append((name, field))
+        by_group.setdefault(setting_group(name), []).append((name, field))
     order = [title for title, _ in SETTING_GROUPS] + ["Other"]
     lines = [
         GENERATED,
         "",
         "# Configuration reference",
         "",
-        "Every setting is an environment variable and a flag of `gpuid-agent run`, `inventory`",
-        "and `check-config` (`BATCH_SIZE` → `--batch-size`); a flag wins over the environment.",
-        "`gpuid-agent` with no command is `gpuid-agent run`.",
+        "Every setting is an environment variable and a flag of `gpuid-agent run` and",
+        "`check-config` (`BATCH_SIZE` → `--batch-size`); a flag wins over the environment.",
+        "`gpuid-agent` with no command is `gpuid-agent run`. The other commands take, and read",
+        "from the environment, only the settings they use: `inventory` NVML's (`NVML_LIBRARY_PATH`,",
+        "`SIMULATE`, `FAULT`, `NODE_NAME`), `health clear` `STATE_DIR`, and `history` the",
+        "`POSTGRES_*` and `S3_*` settings that say where the records are ([history](history.md)).",
         "`gpuid-agent check-config` prints the effective configuration with secrets redacted",
         "(the user, password and query values of `HTTP_ENDPOINT` and `S3_ENDPOINT_URL` too).",
         "",

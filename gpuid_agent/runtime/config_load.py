@@ -5,7 +5,7 @@ problem is reported at once, naming its variable (ConfigError, exit 2)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,9 +38,27 @@ def _unechoed(problems: dict[str, str], given: Mapping[str, Any]) -> dict[str, s
     return out
 
 
-def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Read env and apply overrides (CLI flags); raise ConfigError naming every bad variable."""
+def load_settings(
+    overrides: Mapping[str, Any] | None = None, fields: Collection[str] | None = None
+) -> Settings:
+    """Read env and apply overrides (CLI flags); raise ConfigError naming every bad variable.
+
+    `fields`: the settings a command reads (None: all). The others keep their defaults,
+    whatever the environment says, so a variable meant for another command neither applies
+    nor stops this one."""
     init = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if fields is not None:
+        unread = {
+            name: field.get_default(call_default_factory=True)
+            for name, field in Settings.model_fields.items()
+            if name not in fields
+        }
+        loaded = load_settings(init | unread)
+        # as if only the read settings had been given: "set explicitly" keeps its meaning
+        return Settings.model_construct(
+            loaded.model_fields_set - unread.keys(),
+            **{name: getattr(loaded, name) for name in Settings.model_fields},
+        )
     try:
         settings = Settings(**init)
     except ValidationError as exc:

@@ -17,9 +17,14 @@
     │   └── KubeApiError           the API server answered with an error status
     ├── WireError              a dict that is no record's wire form (also a ValueError)
     ├── RefusedFileError       a file the agent reads that is no regular file of bounded size
+    ├── NewerFormatError       a state file or batch of a newer format than this version reads
     ├── ExportError            an exporter could not deliver a batch
-    └── StoreError
-        └── CorruptBatchError      a spooled batch that cannot be read back
+    ├── StoreError
+    │   └── CorruptBatchError      a spooled batch that cannot be read back
+    └── HistoryError           `gpuid-agent history` could not answer
+        ├── NotFoundError          no record of the serial, node or pod asked about (exit 1)
+        └── RecordsUnreachableError   the records' store cannot be read; names the setting
+                                   to fix (exit 4)
 
 Library errors are wrapped with `raise … from exc`, so the cause stays in the traceback.
 """
@@ -135,6 +140,16 @@ class RefusedFileError(GpuidError):
         self.reason = reason
 
 
+class NewerFormatError(GpuidError):
+    """A file written in a newer format than this version reads (`runtime.formats`): kept where
+    it is, untouched, for the version that wrote it. Deliberately no ValueError: the readers of
+    state files set those aside."""
+
+    def __init__(self, kind: str, found: int, known: int) -> None:
+        super().__init__(f"{kind} of format {found}, newer than this version reads (up to {known})")
+        self.kind, self.found, self.known = kind, found, known
+
+
 class ExportError(GpuidError):
     """An exporter failed to deliver a batch.
 
@@ -162,3 +177,16 @@ class StoreError(GpuidError):
 
 class CorruptBatchError(StoreError):
     """A spooled batch file that cannot be read back as records."""
+
+
+class HistoryError(GpuidError):
+    """`gpuid-agent history` could not answer; the message is one line for the terminal."""
+
+
+class NotFoundError(HistoryError):
+    """No record of what was asked about (a serial, node or pod) in the range asked."""
+
+
+class RecordsUnreachableError(HistoryError):
+    """The database, bucket or directory of records cannot be read; the message names the
+    setting to fix."""

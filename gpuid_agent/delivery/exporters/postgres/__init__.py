@@ -36,11 +36,13 @@ from gpuid_agent.delivery.exporters.base import (
     StoredForm,
 )
 from gpuid_agent.delivery.exporters.postgres import rows as rowmap
+from gpuid_agent.delivery.exporters.postgres import usage_rollup
 from gpuid_agent.delivery.exporters.postgres.copytext import Payload, section
 from gpuid_agent.delivery.exporters.postgres.schema import (
     MIGRATION_LOCK,
     Tables,
     expected_columns,
+    history_indexes,
     migration,
 )
 from gpuid_agent.delivery.exporters.postgres.writer import CopyWriter, Written, table_problem
@@ -190,8 +192,8 @@ class PostgresExporter(Exporter):
             return self._pool
 
     async def _schema_current(self, conn: asyncpg.Connection) -> bool:
-        """True when every table and column the exporter writes is there, and the readings'
-        unique index on record_id."""
+        """True when every table and column the exporter writes is there, the readings'
+        unique index on record_id, the indexes history reads through and the usage rollup."""
         for table, wanted in expected_columns(self.tables).items():
             found = await conn.fetch(
                 """SELECT attname FROM pg_attribute WHERE attrelid = to_regclass($1)
@@ -200,6 +202,12 @@ class PostgresExporter(Exporter):
             )
             if not wanted <= {row[0] for row in found}:
                 return False
+        for index, (table, _) in history_indexes(self.tables).items():
+            schema = table.split(".")[0] + "." if "." in table else ""
+            if await conn.fetchval("SELECT to_regclass($1)", schema + index) is None:
+                return False
+        if not await conn.fetchval(usage_rollup.current(self.tables.events)):
+            return False
         return bool(
             await conn.fetchval(
                 """SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gpuid_agent.delivery.exporters.postgres import usage_rollup
 from gpuid_agent.records import columns
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
@@ -151,7 +152,26 @@ def migration(tables: Tables) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {_index(e, 'kind_time')} ON {e} (kind, observed_at)",
         f"CREATE INDEX IF NOT EXISTS {_index(e, 'node')} ON {e} (node)",
     ]
-    return statements
+    statements += [
+        f"CREATE INDEX IF NOT EXISTS {name} ON {table} {how}"
+        for name, (table, how) in history_indexes(tables).items()
+    ]
+    return statements + usage_rollup.migration(e)
+
+
+def history_indexes(tables: Tables) -> dict[str, tuple[str, str]]:
+    """The indexes `gpuid-agent history` reads through (docs/history.md), by name: the table
+    and what each covers. Added to existing tables by the migration; a large table may have
+    them built beforehand with CREATE INDEX CONCURRENTLY under the same names."""
+    r, a, e = tables.readings, tables.allocations, tables.events
+    return {
+        _index(r, "node_time"): (r, "(node, read_time)"),
+        _index(a, "node_started"): (a, "(node, started_at)"),
+        _index(a, "pod"): (a, "(namespace, pod)"),
+        _index(e, "node_kind_time"): (e, "(node, kind, observed_at)"),
+        _index(e, "gpu"): (e, "((payload->>'gpu')) WHERE kind IN ('health', 'hardware')"),
+        _index(e, "old_serial"): (e, "((payload->>'old_serial')) WHERE kind = 'hardware'"),
+    }
 
 
 # Staging tables: COPY lands here, then one INSERT … SELECT moves the rows. Created inside the

@@ -1,0 +1,244 @@
+"""The PostgreSQL exporter's tables as a source of records (asyncpg, one connection).
+
+Every question reads through an index the exporter's migration creates (docs/history.md says
+which serves which), and usage through its rollup table (`<events table>_usage`, kept by the
+database as usage records arrive), so each answers in well under a second on a fleet's
+month. A connection or table problem names the setting to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+import orjson
+
+from gpuid_agent.history.facts import Holding, Mark, Sighting, UsageAmount, mark, number
+from gpuid_agent.history.source import Where
+from gpuid_agent.runtime.errors import RecordsUnreachableError
+
+if TYPE_CHECKING:
+    from gpuid_agent.runtime.config import Settings
+
+T = TypeVar("T")
+CONNECT_TIMEOUT = 10.0
+QUERY_TIMEOUT = 120.0
+
+_SIGHTING = """read_time, cluster, node, machine, chassis, gpu, COALESCE(uuid, ''),
+    COALESCE(pci_bus_id, ''), COALESCE(model, ''), change IS NOT DISTINCT FROM 'removed'"""
+_HOLDING = """allocation_id, cluster, node, gpu, COALESCE(uuid, ''), COALESCE(mig_uuid, ''),
+    COALESCE(namespace, ''), COALESCE(pod, ''), COALESCE(pod_uid, ''), COALESCE(container, ''),
+    COALESCE(workload_kind, ''), COALESCE(workload_name, ''), started_at, ended_at,
+    gpu_seconds, energy_joules"""
+_MARKS = "kind IN ('health', 'hardware')"
+_AMOUNT = "CASE WHEN jsonb_typeof(payload->'{0}') = 'number' THEN (payload->>'{0}')::numeric END"
+
+
+def _in_schema_of(readings: str, name: str) -> str:
+    """A bare table name goes into the readings table's schema, as the exporter places it."""
+    if "." in name or "." not in readings:
+        return name
+    return f"{readings.split('.', maxsplit=1)[0]}.{name}"
+
+
+class PostgresSource:
+    name = "PostgreSQL"
+
+    def __init__(self, settings: Settings) -> None:
+        self._where = f"{settings.postgres_host}:{settings.postgres_port}"
+        self._connect: dict[str, Any] = {
+            "host": settings.postgres_host,
+            "port": settings.postgres_port,
+            "database": settings.postgres_db,
+            "user": settings.postgres_user,
+            "password": settings.postgres_password.get_secret_value() or None,
+            "ssl": settings.postgres_sslmode,
+            "timeout": CONNECT_TIMEOUT,
+            "command_timeout": QUERY_TIMEOUT,
+            "statement_cache_size": 0,  # a few statements, each run once or twice
+            "server_settings": {"application_name": "gpuid-agent history"},
+        }
+        self._db = settings.postgres_db
+        r = settings.postgres_table
+        self.readings = r
+        self.allocations = _in_schema_of(r, settings.postgres_allocations_table)
+        self.events = _in_schema_of(r, settings.postgres_events_table)
+        self.rollup = f"{self.events}_usage"
+        self._runner = asyncio.Runner()
+        self._conn: asyncpg.Connection | None = None
+
+    # ---- connection and errors -----------------------------------------------------------
+
+    async def _connection(self) -> asyncpg.Connection:
+        if self._conn is None:
+            try:
+                self._conn = await asyncpg.connect(**self._connect)
+            except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
+                raise RecordsUnreachableError(
+                    f"PostgreSQL at {self._where} refused the login: "
+                    "check POSTGRES_USER and POSTGRES_PASSWORD"
+                ) from None
+            except asyncpg.InvalidCatalogNameError:
+                raise RecordsUnreachableError(
+                    f"PostgreSQL at {self._where} has no database {self._db!r}: check POSTGRES_DB"
+                ) from None
+            except ssl.SSLError as exc:
+                raise RecordsUnreachableError(
+                    f"TLS with PostgreSQL at {self._where} failed ({exc.reason or exc}): "
+                    "check POSTGRES_SSLMODE"
+                ) from None
+            except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+                raise RecordsUnreachableError(self._unreachable(exc)) from None
+        return self._conn
+
+    def _unreachable(self, exc: BaseException) -> str:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, socket.gaierror):
+            return f"cannot resolve PostgreSQL host {self._where} ({why}): check POSTGRES_HOST"
+        hint = "check POSTGRES_HOST and POSTGRES_PORT"
+        if "ssl" in why.lower():
+            hint = "check POSTGRES_SSLMODE"
+        return f"cannot reach PostgreSQL at {self._where} ({why}): {hint}"
+
+    def _run(self, work: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        async def ask() -> T:
+            conn = await self._connection()
+            try:
+                return await work(conn)
+            except asyncpg.UndefinedTableError as exc:
+                raise RecordsUnreachableError(
+                    f"PostgreSQL: {exc}: check POSTGRES_TABLE, POSTGRES_ALLOCATIONS_TABLE and "
+                    "POSTGRES_EVENTS_TABLE (an agent of this version creates the tables at its "
+                    "first delivery)"
+                ) from None
+            except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+                raise RecordsUnreachableError(f"PostgreSQL at {self._where}: {exc}") from None
+
+        return self._runner.run(ask())
+
+    def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            self._runner.run(conn.close(timeout=5))
+        self._runner.close()
+
+    # ---- the Source protocol -------------------------------------------------------------
+
+    def _filters(self, where: Where, args: list[Any]) -> str:
+        if where.cluster is None:
+            return ""
+        args.append(where.cluster)
+        return f" AND cluster = ${len(args)}"
+
+    def sightings(self, where: Where) -> list[Sighting]:
+        args: list[Any]
+        if where.serial is not None:
+            args = [where.serial]
+            sql = f"SELECT {_SIGHTING} FROM {self.readings} WHERE gpu = $1"
+        else:
+            args = [where.node, where.since, where.until]
+            sql = (
+                f"SELECT {_SIGHTING} FROM {self.readings} "
+                "WHERE node = $1 AND read_time >= $2 AND read_time <= $3"
+            )
+        sql += self._filters(where, args) + " ORDER BY read_time"
+        rows = self._run(lambda c: c.fetch(sql, *args))
+        return [Sighting(*row) for row in rows]
+
+    def holdings(self, where: Where) -> list[Holding]:
+        args: list[Any]
+        if where.pod is not None:
+            args = [where.namespace, where.pod]
+            condition = "namespace = $1 AND pod = $2"
+        elif where.serial is not None:
+            args = [where.serial]
+            condition = "gpu = $1"
+        else:
+            args = [where.node, where.since, where.until]
+            condition = "node = $1 AND started_at <= $3 AND (ended_at IS NULL OR ended_at >= $2)"
+        sql = f"SELECT {_HOLDING} FROM {self.allocations} WHERE {condition}"
+        sql += self._filters(where, args) + " ORDER BY started_at, allocation_id"
+
+        async def ask(conn: asyncpg.Connection) -> list[Holding]:
+            found = [Holding(*row) for row in await conn.fetch(sql, *args)]
+            return await self._so_far(conn, found)
+
+        return self._run(ask)
+
+    async def _so_far(self, conn: asyncpg.Connection, found: list[Holding]) -> list[Holding]:
+        """Open allocations with the sum of their usage records so far (one index range of
+        the node's allocation records since the earliest start, per node)."""
+        open_by_node: dict[str, list[Holding]] = {}
+        for h in found:
+            if h.ended_at is None and h.started_at is not None:
+                open_by_node.setdefault(h.node, []).append(h)
+        used: dict[str, tuple[float | None, float | None]] = {}
+        for node, held in open_by_node.items():
+            rows = await conn.fetch(
+                f"""SELECT payload->>'allocation_id', sum({_AMOUNT.format("gpu_seconds")}),
+                           sum({_AMOUNT.format("energy_joules")})
+                    FROM {self.events}
+                    WHERE node = $1 AND kind = 'allocation' AND observed_at >= $2
+                      AND payload->>'event' = 'usage'
+                      AND payload->>'allocation_id' = ANY($3::text[])
+                    GROUP BY 1""",
+                node,
+                min(h.started_at for h in held if h.started_at is not None),
+                [h.allocation_id for h in held],
+            )
+            used |= {r[0]: (_float(r[1]), _float(r[2])) for r in rows}
+        return [
+            replace(h, gpu_seconds=used[h.allocation_id][0], energy_joules=used[h.allocation_id][1])
+            if h.allocation_id in used and h.ended_at is None
+            else h
+            for h in found
+        ]
+
+    def marks(self, where: Where) -> list[Mark]:
+        args: list[Any]
+        if where.serial is not None:
+            args = [where.serial]
+            condition = (
+                f"(({_MARKS} AND payload->>'gpu' = $1) "
+                "OR (kind = 'hardware' AND payload->>'old_serial' = $1))"
+            )
+        else:
+            args = [where.node, where.since, where.until]
+            condition = f"node = $1 AND {_MARKS} AND observed_at >= $2 AND observed_at <= $3"
+        sql = f"SELECT payload::text FROM {self.events} WHERE {condition}"
+        sql += self._filters(where, args) + " ORDER BY observed_at"
+        rows = self._run(lambda c: c.fetch(sql, *args))
+        found = (mark(orjson.loads(row[0])) for row in rows)
+        return [m for m in found if m is not None]
+
+    def usage(self, since: datetime, until: datetime, cluster: str | None) -> list[UsageAmount]:
+        """From the rollup: whole days' totals, and the hours of a day at either end."""
+        hours = ", ".join(
+            f"""sum(CASE WHEN day > $1 AND day < $3 THEN {total}
+                    ELSE (SELECT COALESCE(sum(x), 0) FROM unnest({hourly}[
+                        (CASE WHEN day = $1 THEN $2 + 1 ELSE 1 END):
+                        (CASE WHEN day = $3 THEN $4 ELSE 24 END)]) AS x) END)"""
+            for total, hourly in (
+                ("gpu_seconds", "hourly_gpu_seconds"),
+                ("energy_joules", "hourly_energy_joules"),
+            )
+        )
+        args: list[Any] = [since.date(), since.hour, until.date(), until.hour]
+        sql = (
+            f"SELECT namespace, workload_kind, workload_name, {hours} FROM {self.rollup} "
+            "WHERE day >= $1 AND day <= $3"
+        )
+        sql += self._filters(Where(cluster=cluster), args)
+        sql += " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+        rows = self._run(lambda c: c.fetch(sql, *args))
+        return [UsageAmount(r[0], r[1], r[2], float(r[3]), float(r[4])) for r in rows]
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else number(float(value))
