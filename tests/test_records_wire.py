@@ -4,6 +4,7 @@ produced by the record code before records became typed)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,6 +26,7 @@ from gpuid_agent.records.types import (
 )
 from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.health.verdicts import CheckStatus, Transition
+from tests import golden_manifest
 
 FIXTURE = Path(__file__).parent / "data" / "records_wire.json"
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)
@@ -130,3 +132,4 @@ if __name__ == "__main__":  # regenerate only when the wire format is meant to c
     FIXTURE.write_bytes(
         orjson.dumps(current_wire(), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
     )
+    golden_manifest.after_regenerating(sys.argv[1:])

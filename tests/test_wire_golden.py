@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import io
+import sys
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.delivery.spool import DiskSpool
 from gpuid_agent.records.serialize import from_wire
 from gpuid_agent.records.types import AnyRecord
+from tests import golden_manifest
 
 GOLDEN = Path(__file__).parent / "data" / "wire_golden"
 META = BatchMeta("0123456789abcdef0123456789abcdef", datetime(2025, 3, 1, 23, 59, 59, tzinfo=UTC))
@@ -200,5 +202,12 @@ async def _regenerate(target: Path) -> None:  # only when the wire format is mea
         await server.stop()
 
 
+def test_golden_files_match_their_manifest() -> None:
+    """Rewriting a golden file (running a module as a script) shows here, not only in review;
+    tests/golden_manifest.py says how a meant change of the wire format updates the manifest."""
+    assert golden_manifest.digests() == golden_manifest.recorded()
+
+
 if __name__ == "__main__":
     asyncio.run(_regenerate(GOLDEN))
+    golden_manifest.after_regenerating(sys.argv[1:])
