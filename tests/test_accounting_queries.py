@@ -35,6 +35,7 @@ from tests.test_s3_queries import DOC_ROOT, deliver, doc_sql, download
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "accounting.md"
 BLOCK = re.compile(r"<!-- (postgres|duckdb): usage-by-workload -->\n```sql\n(.*?)```", re.S)
+RECONCILE = re.compile(r"<!-- postgres: usage-reconciliation -->\n```sql\n(.*?)```", re.S)
 DAY = datetime(2025, 3, 1, tzinfo=UTC)
 G0, G1 = "GPU-0", "GPU-1"
 TRAIN = Holder("ml", "train-0", "main", "u1", "Job", "train")
@@ -54,9 +55,10 @@ def attribution(*held: tuple[Holder, str, str]) -> Attribution:
     return Attribution("current", allocations, by_device=MappingProxyType(by_device))
 
 
-def usage_records() -> list[AnyRecord]:
+def usage_records(idle: bool = False) -> list[AnyRecord]:
     """Every 10 minutes from 09:00 to 12:00 UTC: GPU 0 time-sliced by train and serve until
-    10:30, then train's alone; GPU 1 serve's from 09:00 to 11:20. At 400 W and 200 W."""
+    10:30, then train's alone; GPU 1 serve's from 09:00 to 11:20. At 400 W and 200 W. With
+    `idle`, the GPUs' idle usage records too."""
     gpus = tuple(GpuIdentity(i, u, serial=f"SN-{i}") for i, u in enumerate((G0, G1)))
     accountant = Accountant(AccountingConfig(), "gpu-1")
     now = [DAY]
@@ -88,6 +90,7 @@ def usage_records() -> list[AnyRecord]:
         assert latest is not None
         out += trail.owed(*latest)
         out += trail.usage.due(list(trail.allocations.open.values()), when)
+        out += trail.idle_owed(when) if idle else []
     return out
 
 
@@ -163,3 +166,29 @@ def test_duckdb_recipe_sums_usage(moto_server: MotoServer, s3_bucket: str, tmp_p
     rows = db.execute(recipes()["duckdb"]).fetchall()
     check(rows)
     print("DuckDB:", rows)
+
+
+async def test_postgres_reconciliation_adds_up_to_the_gpus_time_and_energy(
+    postgres: PostgresCluster, pg_schema: str
+) -> None:
+    """Held and idle usage records of the day: 2 GPUs x 3 h, 600 W x 3 h."""
+    records = usage_records(idle=True)
+    exporter = PostgresExporter(
+        **postgres.connect_kwargs(), sslmode="disable", tables=tables(pg_schema), timeout=10.0
+    )
+    try:
+        await exporter.export(records)
+    finally:
+        await exporter.close()
+    [sql] = RECONCILE.findall(DOC.read_text())
+    conn = await asyncpg.connect(**postgres.connect_kwargs())  # type: ignore[arg-type]
+    try:
+        [row] = await conn.fetch(sql.replace("FROM gpu_events", f"FROM {pg_schema}.gpu_events"))
+    finally:
+        await conn.close()
+    assert (row["node"], row["gpus"]) == ("gpu-1", 2)
+    held = 3 + 7 / 3  # GPU 0 held all 3 h (shared, then train's alone); GPU 1 serve's 7/3 h
+    assert float(row["held_gpu_hours"]) == pytest.approx(held, abs=0.002)
+    assert float(row["idle_gpu_hours"]) == pytest.approx(6 - held, abs=0.002)
+    assert float(row["gpu_hours"]) == pytest.approx(2 * 3, abs=0.002)
+    assert float(row["kwh"]) == pytest.approx(0.6 * 3, abs=0.002)

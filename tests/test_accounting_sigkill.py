@@ -71,7 +71,8 @@ async def test_usage_survives_sigkill_mid_allocation(
     log = tmp_path / "agent.log"
 
     def usage() -> list[dict[str, Any]]:
-        return [r for r in allocation_records(receiver).values() if r["event"] == "usage"]
+        records = allocation_records(receiver).values()
+        return [r for r in records if r["event"] == "usage" and r["pod"]]  # not the idle GPUs
 
     proc = start_agent(env, log)
     try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from gpuid_agent.facts import NodeInventory
+from gpuid_agent.facts import GpuIdentity, NodeInventory
 from gpuid_agent.records.durable import publish_owed
 from gpuid_agent.records.runner import Emitter
 from gpuid_agent.records.serialize import allocation_from_wire, rfc3339, to_wire
@@ -33,7 +33,7 @@ from gpuid_agent.runtime import log
 from gpuid_agent.state.allocation_trail import Ended, OpenAllocations, Started
 from gpuid_agent.state.attribution import Allocation, Attribution
 from gpuid_agent.state.snapshot import NodeSnapshot
-from gpuid_agent.state.state_file import StateDir
+from gpuid_agent.state.state_file import StateDir, WireRecord
 
 _log = log.get("allocations")
 STATE_REFRESH = 60.0
@@ -142,6 +142,49 @@ def end_record(
     )
 
 
+def idle_start(identity: TrailIdentity, gpu: GpuIdentity, inventory: NodeInventory) -> WireRecord:
+    """The never-published start of a GPU's idle "allocation": nobody's (`namespace` and `pod`
+    empty), its usage records carry the GPU's unheld time and energy per period, so that a
+    node's usage records add up to its GPUs' time and energy counters."""
+    alloc_id = _digest("idle", identity.cluster, identity.node, gpu.uuid)
+    at = rfc3339(inventory.read_time)
+    return to_wire(
+        AllocationRecord(
+            kind="allocation",
+            record_id=allocation_record_id(alloc_id, "start"),
+            event="start",
+            **header(
+                inventory,
+                gpu,
+                source=identity.source,
+                read_time=at,
+                cluster=identity.cluster,
+                node=identity.node,
+            ),
+            allocation_id=alloc_id,
+            serial=gpu.serial,
+            uuid=gpu.uuid,
+            gpu_index=gpu.index,
+            mig_uuid=None,
+            mig_gpu_instance_id=None,
+            mig_profile=None,
+            namespace="",
+            pod="",
+            pod_uid=None,
+            container="",
+            resource_name="",
+            device_id=gpu.uuid,
+            replica=None,
+            workload_kind=None,
+            workload_name=None,
+            started_at=at,
+            start_observed=True,
+            ended_at=None,
+            end_observed=None,
+        )
+    )
+
+
 class AllocationTrail(Emitter):
     """Turns the attributions of snapshots whose pod metadata is in (`pods_ready`) into
     allocation records, hands them durably to the pipeline (`Pipeline.publish_durable`), then
@@ -166,6 +209,8 @@ class AllocationTrail(Emitter):
         self._latest: tuple[Attribution, NodeInventory] | None = None
         self.usage = UsageLedger(usage_interval, self.allocations.usage, allocation_record_id)
         self._taken: Attribution | None = None  # the last attribution diffed in full
+        self._inventory: NodeInventory | None = None
+        self.idle: dict[str, WireRecord] = {}  # GPU UUID → its idle start (see `idle_start`)
 
     def owed(self, attribution: Attribution, inventory: NodeInventory) -> list[AllocationRecord]:
         """Records owed for this attribution (ends, then starts); updates the open set. The
@@ -191,8 +236,32 @@ class AllocationTrail(Emitter):
         self._taken = attribution
         return records
 
+    def idle_owed(self, now: datetime) -> list[AllocationRecord]:
+        """Idle usage records: a GPU seen for the first time starts its ledger (a mark the
+        state file kept is taken back), one gone ends it with its last partial record."""
+        inventory = self._inventory
+        if inventory is None:
+            return []
+        marks, records = self.usage.marks, []
+        gpus = {g.uuid: g for g in inventory.gpus}
+        if not self.idle:  # the first look: drop marks of GPUs that left while the agent was down
+            kept = {s["allocation_id"] for s in self.allocations.open.values()}
+            kept |= {_digest("idle", self.identity.cluster, self.identity.node, u) for u in gpus}
+            for stale in [a for a in marks if a not in kept]:
+                del marks[stale]
+        for uuid in [u for u in self.idle if u not in gpus]:
+            record, _, _ = self.usage.closed(self.idle.pop(uuid), now, [])
+            records += [record] if record is not None else []
+        for uuid, gpu in gpus.items():
+            if uuid not in self.idle:
+                start = self.idle[uuid] = idle_start(self.identity, gpu, inventory)
+                if start["allocation_id"] not in marks:
+                    self.usage.opened(start, now, [])
+        return records + self.usage.due(list(self.idle.values()), now)
+
     def note(self, snapshot: NodeSnapshot) -> None:
         self.usage.view = snapshot.accounting
+        self._inventory = snapshot.inventory
         if snapshot.pods_ready and snapshot.attribution.state == "current":
             self._latest = (snapshot.attribution, snapshot.inventory)
 
@@ -200,8 +269,9 @@ class AllocationTrail(Emitter):
         latest, self._latest = self._latest, None
         state = self.allocations
         records = self.owed(*latest) if latest is not None else []
-        if state.open and state.settled:  # long allocations: a usage record per period
-            records += self.usage.due(list(state.open.values()), self._clock())
+        if state.settled:  # long allocations and idle GPUs: a usage record per period
+            now = self._clock()
+            records += self.usage.due(list(state.open.values()), now) + self.idle_owed(now)
         if records:
             _log.debug("allocation records", extra={"count": len(records)})
             state.pending = state.pending + [to_wire(r) for r in records]

@@ -246,6 +246,11 @@ class Settings(OtelSettings):
     accounting_per_pod: bool = Field(
         False, description="Also expose workload GPU-seconds and energy per pod on /gpu/metrics."
     )
+    accounting_retention: PositiveDuration = Field(
+        3600.0,
+        description="How long a workload's (and a pod's) accounting series stay once it holds "
+        "no GPU; its end and usage records already carry its final counts.",
+    )
     gpu_resource_names: CommaList = Field(
         default_factory=list, description="Extra resource names that carry GPUs."
     )

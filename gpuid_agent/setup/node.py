@@ -29,7 +29,9 @@ def collector_config(settings: Settings, state_dir: StateDir) -> CollectorConfig
             host_proc=settings.host_proc,
             kernel_log=settings.kernel_log,
         ),
-        accounting=AccountingConfig(settings.accounting_per_pod, state_dir),
+        accounting=AccountingConfig(
+            settings.accounting_per_pod, state_dir, retention=settings.accounting_retention
+        ),
     )
 
 

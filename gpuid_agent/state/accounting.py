@@ -17,6 +17,12 @@ SAVE_INTERVAL). A restarted agent credits the time and energy since that save to
 split, so a SIGKILL neither loses nor repeats an interval; a gap over MAX_GAP (a node powered
 off) is not credited.
 
+Churn: a workload, pod or holding that holds no GPU any more is dropped `retention`
+(ACCOUNTING_RETENTION) after it was last held, its series with it (its end and usage records
+carry its final counts); at most MAX_ENDED of them wait out the retention, the longest
+unheld going first, so memory, /gpu/metrics and the state file stay flat however many
+short-lived pods pass through a node.
+
 Cost per snapshot: the split is taken again only when its inputs moved (the attribution is
 another object, the process shares or the GPUs differ), and each split's parts keep the
 totals' rows they credit, so a snapshot adds to rows without hashing keys.
@@ -42,6 +48,7 @@ from gpuid_agent.state.accounting_split import (
     Part,
     Usage,
     WorkloadKey,
+    idle_holding,
     split_node,
 )
 from gpuid_agent.state.attribution.holders import Attribution
@@ -53,13 +60,14 @@ STATE_FILE = "accounting.json"
 STATE_VERSION = 1
 SAVE_INTERVAL = 15.0
 MAX_GAP = 600.0  # longest restart gap credited to the saved split
-RETAIN = 900.0  # how long an ended holding's (or pod's) totals stay readable
+MAX_ENDED = 4096  # ended workloads, pods and holdings kept at once while they wait out retention
 
 
 @dataclass(frozen=True, slots=True)
 class AccountingConfig:
     per_pod: bool = False  # ACCOUNTING_PER_POD
     state_dir: StateDir | None = None  # accounting.json; None keeps nothing
+    retention: float = 3600.0  # ACCOUNTING_RETENTION: how long what ended stays readable
 
 
 class _Totals(dict[Any, list[Any]]):
@@ -122,10 +130,10 @@ class Accountant:
         # the split's inputs, its parts ready to credit (GPU UUID → parts, idle fraction), and
         # the keys it holds (holdings; pods too with per_pod)
         self._inputs: tuple[Attribution, ProcessView, tuple[GpuIdentity, ...]] | None = None
-        self._credits: dict[str, tuple[tuple[_Credit, ...], float]] = {}
+        self._credits: dict[str, tuple[tuple[_Credit, ...], float, list[Any]]] = {}
         self._held: set[Any] = set()
-        self._last_held: dict[Any, float] = {}  # ended holdings and pods → when last held
-        self._marked: float | None = None  # the last read whose split's keys count as held
+        # ended workloads, holdings and pods → when last held, the longest unheld first
+        self._last_held: dict[Any, float] = {}
         self._saved = 0.0
         self._changed = False
         self._load()
@@ -152,7 +160,7 @@ class Accountant:
             if elapsed is not None and gpu.uuid in self._split:
                 self._credit(gpu.uuid, max(0.0, elapsed), joules)
         if attribution.state == "current" or not self._split:
-            self._take_split(inventory, attribution, processes)
+            self._take_split(inventory, attribution, processes, now)
         self._as_of = now
         self._forget(now)
         return AccountingView(
@@ -170,7 +178,11 @@ class Accountant:
         return (counter - before) / 1000
 
     def _take_split(
-        self, inventory: NodeInventory, attribution: Attribution, processes: ProcessView
+        self,
+        inventory: NodeInventory,
+        attribution: Attribution,
+        processes: ProcessView,
+        now: float,
     ) -> None:
         """The split of this snapshot; the last one again while its inputs did not move (the
         attributor keeps its object while the kubelet, pods, slices and GPUs do not)."""
@@ -189,15 +201,15 @@ class Accountant:
         self._split = split
         self._credits.clear()
         held = self._held_keys()
-        if self._marked is not None:  # keys of the last split, held until its read
-            for key in self._held - held:
-                self._last_held[key] = self._marked
+        for key in self._held - held:  # the last split's keys: credited up to this read
+            self._last_held[key] = now
         for key in held:
             self._last_held.pop(key, None)
         self._held = held
 
     def _held_keys(self) -> set[Any]:
-        keys: set[Any] = _holdings(self._split)
+        keys: set[Any] = _holdings(self._split) | {idle_holding(uuid) for uuid in self._split}
+        keys.update(p.workload for parts in self._split.values() for p in parts)
         if self._config.per_pod:
             keys.update(_pod_key(p) for parts in self._split.values() for p in parts)
         return keys
@@ -210,8 +222,9 @@ class Accountant:
             ready = self._credits[uuid] = (
                 tuple(_Credit(p, per_pod) for p in parts),
                 _idle_fraction(parts),
+                self._holdings.row(idle_holding(uuid)),
             )
-        credits, idle = ready
+        credits, idle, idle_row = ready
         for c in credits:
             if not c.rows:
                 c.find_rows(self._holdings, self._workloads, self._pods)
@@ -223,19 +236,25 @@ class Accountant:
                 row[1] += device_s
                 if share is not None:
                     row[2] = (row[2] or 0.0) + share
-        self._workloads.add(IDLE, seconds * idle, 0.0, None if joules is None else joules * idle)
+        idle_joules = None if joules is None else joules * idle
+        self._workloads.add(IDLE, seconds * idle, 0.0, idle_joules)
+        idle_row[0] += seconds * idle  # the GPU's own idle row: its idle usage records
+        if idle_joules is not None:
+            idle_row[2] = (idle_row[2] or 0.0) + idle_joules
 
     def _forget(self, now: float) -> None:
-        """Ended holdings and pods leave RETAIN after they were last held (workloads stay:
-        their series outlive pod restarts)."""
-        self._marked = now
-        if not self._last_held:
-            return
-        for key, seen in list(self._last_held.items()):
-            if now - seen > RETAIN:
-                del self._last_held[key]
-                self._holdings.pop(key, None)
-                self._pods.pop(key, None)
+        """Ended workloads, holdings and pods leave `retention` after they were last held,
+        or sooner past MAX_ENDED of them (the longest unheld first)."""
+        ended = self._last_held
+        retention = self._config.retention
+        while ended:
+            key, seen = next(iter(ended.items()))  # insertion order: the longest unheld
+            if now - seen <= retention and len(ended) <= MAX_ENDED:
+                return
+            del ended[key]
+            self._holdings.pop(key, None)
+            self._pods.pop(key, None)
+            self._workloads.pop(key, None)
 
     # ---- state file ------------------------------------------------------------------------
 
@@ -279,6 +298,8 @@ class Accountant:
             return
         self._as_of, self._energy, self._split, self._holdings = state
         self._held = self._held_keys()
+        for key in self._holdings.keys() - self._held:  # ended before the restart
+            self._last_held[key] = self._as_of
         _log.info("restored accounting", extra={"holdings": len(self._holdings)})
 
     def _parse(

@@ -47,6 +47,11 @@ class WorkloadKey:
 IDLE = WorkloadKey("", "", "")  # time and energy of GPUs (or their parts) nobody holds
 
 
+def idle_holding(gpu_uuid: str) -> HoldingKey:
+    """The holding a GPU's unheld time and energy are kept under (its idle usage records)."""
+    return ("", "", "", "", gpu_uuid)
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     holding: HoldingKey

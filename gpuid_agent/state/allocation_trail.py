@@ -143,11 +143,9 @@ class OpenAllocations:
         records = [r for r in state["open"] if isinstance(r, dict)]
         opened = {_record_key(r): r for r in records}
         pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
-        usage = {
-            str(k): v
-            for k, v in state.get("usage", {}).items()
-            if k in {r["allocation_id"] for r in records} and _mark_ok(v)
-        }
+        # the open allocations' marks and the idle GPUs' (records/allocations.py prunes those
+        # of GPUs gone at its first look)
+        usage = {str(k): v for k, v in state.get("usage", {}).items() if _mark_ok(v)}
         return opened, pending, usage, str(state.get("saved_at") or "")
 
     def _state_bytes(self) -> bytes:
