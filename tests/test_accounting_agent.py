@@ -8,8 +8,8 @@ usage records adding up to its end's totals. No stand-in: nothing here is a faul
 
 from __future__ import annotations
 
-import asyncio
 import io
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from tests.test_process_agent import Api, api, scenario  # noqa: F401  (fixture 
 from tests.waiting import eventually
 
 INTERVAL = 0.1  # COLLECT_INTERVAL: the tolerance of held time is one of it
+WINDOW = 2.0  # of the reads' own time, between the two looks at the totals
 DRIVER = "gpu.nvidia.com"
 # NVIDIA's name of the 3g.40gb MIG device (profile 9) at memory slice 0 of GPU 0: a DNS label
 BIG_MIG = "gpu-0-mig-9-0-4"
@@ -44,6 +45,20 @@ def latest(agent: Agent, name: str) -> tuple[dict[str, float], float]:
     rendered = agent.renderer.current()
     assert rendered.snapshot is not None
     return per_pod(rendered.text, name), rendered.snapshot.inventory.read_time.timestamp()
+
+
+def served_read_time(agent: Agent) -> float:
+    """When the NVML read that /gpu/metrics now serves was taken (reads are stamped as they
+    end; 0: nothing served yet)."""
+    snapshot = agent.renderer.current().snapshot
+    return 0.0 if snapshot is None else snapshot.inventory.read_time.timestamp()
+
+
+async def reads_after(agent: Agent, moment: float) -> None:
+    """Wait until /gpu/metrics serves an NVML read begun after `moment` (wall clock): the one
+    after the first read stamped later, which may have begun before it."""
+    first = await eventually(lambda: (t := served_read_time(agent)) > moment and t)
+    await eventually(lambda: served_read_time(agent) > first)
 
 
 def per_pod(text: bytes, name: str) -> dict[str, float]:
@@ -95,14 +110,13 @@ async def test_shares_energy_and_churn_add_up(
         g0.energy_mj = (g0.energy_mj or 0) + 800_000  # 800 J on the time-sliced GPU
         g1.energy_mj = (g1.energy_mj or 0) + 300_000  # 300 J on the notebook's
         fake_nvml.apply(config)
-        await asyncio.sleep(2.5)
+        await reads_after(agent, max(time.time(), t0 + WINDOW))  # the counters' jump is in
         after, t1 = latest(agent, seconds)
         e_after = per_pod(text(), joules)
         # serve leaves mid-interval: its end carries what it used
         real_kubelet.pods = [p for p in real_kubelet.pods if p.name != "serve"]
         real_kubelet.publish()
         await eventually(lambda: any(r.get("event") == "end" for r in records(out)))
-        await asyncio.sleep(0.5)
     held = t1 - t0
     d = {k: after[k] - before.get(k, 0) for k in after}
     # GPU 0: split by measured SM share (train 50 %, serve 30 % via MPS: 5/8 and 3/8)
@@ -196,7 +210,7 @@ async def test_mig_fraction_and_a_dra_claim_shared_by_two_pods(
         g0.energy_mj = (g0.energy_mj or 0) + 700_000
         g2.energy_mj = (g2.energy_mj or 0) + 400_000
         fake_nvml.apply(config)
-        await asyncio.sleep(2.0)
+        await reads_after(agent, max(time.time(), t0 + WINDOW))  # the counters' jump is in
         after, t1 = latest(agent, pod_s)
         e_after = per_pod(text(), pod_j)
         w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")

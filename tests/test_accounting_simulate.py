@@ -4,9 +4,7 @@ energy counters."""
 
 from __future__ import annotations
 
-import asyncio
 import io
-import time
 from collections import defaultdict
 
 import pytest
@@ -14,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.serving.renderer import Rendered
+from gpuid_agent.state.snapshot import NodeSnapshot
 from tests.conftest import running_agent, settings
 from tests.waiting import eventually
 
@@ -36,27 +36,47 @@ def totals(text: bytes) -> dict[str, float]:
     return out
 
 
+def rendered_from(agent: Agent, read_after: float) -> Rendered | None:
+    """What /gpu/metrics serves, once it is of an NVML read taken after `read_after`."""
+    rendered = agent.renderer.current()
+    if rendered.snapshot is None or read_time(rendered.snapshot) <= read_after:
+        return None
+    return rendered
+
+
+def read_time(snapshot: NodeSnapshot) -> float:
+    return snapshot.inventory.read_time.timestamp()
+
+
+def all_held(agent: Agent) -> NodeSnapshot | None:
+    """The latest snapshot, once its attribution has a holder on every GPU of HELD."""
+    latest = agent.bus.latest
+    if latest is None or latest.attribution.state != "current":
+        return None
+    gpus = latest.inventory.gpus
+    held = {str(g.index) for g in gpus if latest.attribution.holders(g.uuid)}
+    return latest if held == HELD else None
+
+
 async def test_timesliced_window_adds_up() -> None:
     agent = Agent(
         settings(simulate="timesliced", collect_interval=0.25, pod_resources_interval=0.05),
         exporters=[StdoutExporter(io.BytesIO())],
     )
     async with running_agent(agent):
-        await eventually(
-            lambda: (
-                b'gpuid_workload_gpu_seconds_total{claim="",namespace="inference"'
-                in agent.renderer.current().text
-            )
-        )
-        await asyncio.sleep(1.0)  # a few collections with every holder in place
-        first, t0 = totals(agent.renderer.current().text), time.monotonic()
-        await asyncio.sleep(WINDOW)
-        last, t1 = totals(agent.renderer.current().text), time.monotonic()
+        # The window is the reads' own time: from a read after every holder was in place (the
+        # split taken with all of them) to the first read WINDOW later, however late either
+        # collection ran.
+        settled = await eventually(lambda: all_held(agent))
+        start = await eventually(lambda: rendered_from(agent, read_time(settled)))
+        assert start.snapshot is not None
+        t0 = read_time(start.snapshot)
+        end = await eventually(lambda: rendered_from(agent, t0 + WINDOW))
+        assert end.snapshot is not None and all_held(agent) is not None
+        window = read_time(end.snapshot) - t0
+    first, last = totals(start.text), totals(end.text)
     d = {k: last[k] - first[k] for k in last}
-    window = t1 - t0
-    assert d["held_s"] == pytest.approx(len(HELD) * window, rel=0.15)
-    assert d["idle_s"] == pytest.approx(2 * window, rel=0.15)
-    # the GPUs' own time, exactly split: held + idle = GPUs x the time the snapshots covered
-    assert d["held_s"] / (d["held_s"] + d["idle_s"]) == pytest.approx(len(HELD) / 8, rel=0.01)
-    assert d["held_j"] == pytest.approx(d["gpus_j"], rel=0.05)
+    assert d["held_s"] == pytest.approx(len(HELD) * window, rel=1e-6)
+    assert d["idle_s"] == pytest.approx(2 * window, rel=1e-6)
+    assert d["held_j"] == pytest.approx(d["gpus_j"], rel=1e-6)
     assert d["held_j"] > 0 and d["idle_j"] > 0
