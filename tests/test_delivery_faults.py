@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,20 +47,25 @@ def dropped(metrics: AgentMetrics, exporter: str, reason: str) -> float:
 
 
 class Failing(Exporter):
-    """A sink that is down (like an unreachable server), counting its health probes."""
+    """A sink that is down (like an unreachable server), counting its health probes and
+    noting when each probe and delivery came (monotonic clock)."""
 
     name = "failing"
 
     def __init__(self) -> None:
         self.down = True
         self.probes = 0
+        self.probed_at: list[float] = []
+        self.exported_at: list[float] = []
 
     async def export(self, batch: Sequence[AnyRecord], meta: BatchMeta | None = None) -> None:
+        self.exported_at.append(time.monotonic())
         if self.down:
             raise ExportError("connection refused", error_type="connection")
 
     async def health(self) -> ExporterHealth:
         self.probes += 1
+        self.probed_at.append(time.monotonic())
         return ExporterHealth(ok=not self.down, reason=None if not self.down else "down")
 
 
@@ -223,14 +229,18 @@ async def test_prober_runs_only_when_idle_and_health_reads_do_no_io() -> None:
         assert worker.health().reason == "down"
         sink.down = False
         await eventually(lambda: worker.health().ok)
-        # while deliveries keep proving the sink, it is not probed
+        # While deliveries keep proving the sink it is not probed: every probe comes a whole
+        # interval after the last delivery, whatever the loop's stalls made of the spacing.
         task = asyncio.create_task(worker.run())
         probes = sink.probes
         for i in range(20):
             await worker.put(readings(1, node=f"n{i}")[0])
-            await asyncio.sleep(0.02)  # deliveries spread over several probe intervals
-        assert sink.probes <= probes + 1
+            await asyncio.sleep(0.02)  # a hold: deliveries over several probe intervals
         worker.close_intake()
         await asyncio.wait_for(task, 5)
+        assert len(sink.exported_at) >= 2
+        for probed in sink.probed_at[probes:]:
+            before = [t for t in sink.exported_at if t <= probed]
+            assert not before or probed - before[-1] >= policy.health_probe_interval
     finally:
         prober.cancel()
