@@ -103,7 +103,10 @@ class Agent:
         if env.pod_directory is not None:  # a simulated node's pods, without an API server
             self.attributor.pods, self.pods = env.pod_directory, None
         # every state file under STATE_DIR is read through this one (odd files set aside)
-        state_dir = StateDir(s.state_dir, self.metrics.state_files_rejected)
+        state_dir = StateDir(
+            s.state_dir, self.metrics.state_files_rejected,
+            newer=self.metrics.state_files_newer, board=self.board,
+        )  # fmt: skip
         nvml = NvmlSource(env.nvml_api, call_timeout=s.effective_stall_timeout())
         processes = ProcessTracker(enabled=env.process_attribution, host_proc=env.host_proc)
         self.collector = Collector(

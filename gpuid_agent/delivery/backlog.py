@@ -3,6 +3,10 @@
 After a long outage a spool may hold 100,000 files. At start only their names and sizes are
 read (names oldest first, sizes in an array: about 120 bytes a file); `Pending` takes batches
 from here as its backlog lane drains, so memory follows the window, not the backlog.
+
+Batches whose name says a newer format than this version reads (a rollback found the newer
+version's backlog) are not taken: they stay in the directory, unopened, for that version to send
+when it starts again, and only their count, records and format are kept (`newer`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,33 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gpuid_agent.delivery.pending import StoredBatch
-from gpuid_agent.delivery.spool_files import MAX_BATCH_FILE_BYTES, batch_named, names_count
+from gpuid_agent.delivery.spool_files import (
+    MAX_BATCH_FILE_BYTES,
+    batch_named,
+    names_count,
+    names_format,
+)
+from gpuid_agent.runtime import formats
 from gpuid_agent.runtime.errors import RefusedFileError
 from gpuid_agent.runtime.regular_file import check_regular
+
+
+class NewerBatches:
+    """A newer version's batch files left in the spool: how many, their records, the newest
+    format among them."""
+
+    def __init__(self) -> None:
+        self.batches = self.records = self.format = 0
+
+    def note(self, name: str) -> bool:
+        """Count `name` if it is a newer format's batch file (and say so)."""
+        found = names_format(name)
+        if formats.judge(formats.SPOOL_BATCH, found) != "newer":
+            return False
+        self.batches += 1
+        self.records += names_count(name)
+        self.format = max(self.format, found)
+        return True
 
 
 class BacklogFiles:
@@ -31,6 +59,7 @@ class BacklogFiles:
         self, directory: Path, set_aside: Callable[[Path, RefusedFileError], None]
     ) -> None:
         self.directory = directory
+        self.newer = NewerBatches()
         found: list[str] = []  # names only: a (name, size) pair a file would double the peak
         with os.scandir(directory) as entries:
             for entry in entries:
@@ -38,7 +67,7 @@ class BacklogFiles:
                     with contextlib.suppress(OSError):  # a directory so named stays, ignored
                         Path(entry.path).unlink(missing_ok=True)
                     continue
-                if names_count(entry.name) < 0:
+                if names_count(entry.name) < 0 or self.newer.note(entry.name):
                     continue
                 try:
                     info = entry.stat(follow_symlinks=False)

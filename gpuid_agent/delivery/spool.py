@@ -7,7 +7,9 @@ left behind by a previous run are re-sent, oldest first. The form is `ndjson` (t
 wire form as JSON lines, read back into typed records), or the exporter's own stored form when
 it has one (PostgreSQL: COPY text), encoded when the batch is written so a backlog has nothing
 left to convert; files of either form are re-sent, whichever the exporter writes now. Batches a
-sink rejected move to `rejected/` for an operator to inspect or replay.
+sink rejected move to `rejected/` for an operator to inspect or replay. Batch files of a newer
+format than this version reads (a rollback) stay where they are, outside the spool's bound, for
+the newer version to send; the start that finds them says so once.
 
 When the disk fails (full, read-only, gone), nothing raises at the caller: new batches are kept
 in memory, bounded by `memory_limit` records and `max_bytes` bytes of payload (oldest dropped
@@ -24,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gpuid_agent.delivery.backlog import BacklogFiles
+from gpuid_agent.delivery.backlog import BacklogFiles, NewerBatches
 from gpuid_agent.delivery.exporters.base import BatchMeta, StoredForm
 from gpuid_agent.delivery.spool_files import REJECTED_DIR, Encoded, SpoolFiles
 from gpuid_agent.delivery.store import (
@@ -36,7 +38,7 @@ from gpuid_agent.delivery.store import (
 )
 from gpuid_agent.records.serialize import json_lines
 from gpuid_agent.records.types import AnyRecord
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.runtime.errors import CorruptBatchError
 
 __all__ = ["REJECTED_DIR", "BatchStore", "DiskSpool", "MemoryBatches", "StoredBatch"]
@@ -79,6 +81,7 @@ class DiskSpool(BatchStore):
         self._unlinking: asyncio.Future[None] | None = None
         # read-ahead of the next joined delivery: its batch ids and the read (files, or records)
         self._ahead: tuple[tuple[str, ...], asyncio.Future[Any]] | None = None
+        self.newer = NewerBatches()
         self._scan()
 
     def _scan(self) -> None:
@@ -86,6 +89,18 @@ class DiskSpool(BatchStore):
         backlog = BacklogFiles(self.directory, self._files.set_aside_odd)
         self._pending.feed(backlog, backlog.batches, backlog.records)
         self._bytes += backlog.bytes
+        self.newer = backlog.newer
+        if self.newer.batches:
+            _log.warning(
+                "spool holds batches of a newer format; kept for the version that wrote them",
+                extra={
+                    "spool": str(self.directory),
+                    "batches": self.newer.batches,
+                    "records": self.newer.records,
+                    "format": self.newer.format,
+                    "reads_up_to": formats.FORMATS[formats.SPOOL_BATCH],
+                },
+            )
         for batch in self._files.index_rejected():
             self._rejected[batch.meta.batch_id] = batch
             self._bytes += batch.size
@@ -107,6 +122,10 @@ class DiskSpool(BatchStore):
     @property
     def rejected_batches(self) -> int:
         return len(self._rejected)
+
+    @property
+    def newer_batches(self) -> int:
+        return self.newer.batches
 
     @property
     def problem(self) -> str | None:

@@ -3,10 +3,13 @@ writes, reads, moves to `rejected/` and unlinks. All of it is blocking file I/O:
 spool runs these methods in worker threads (only the index, at start, runs inline).
 
 Each file is named `<created ns>-<batch id>-<record count>.<form>`, so a spool can be indexed,
-ordered and trimmed without reading a byte of it. An entry under such a name that no batch
-file can be (a FIFO, a symlink, a device, a file over MAX_BATCH_FILE_BYTES) is moved into
-`rejected/` unopened when indexed; one swapped in later fails its read (never blocking, never
-followed: `runtime/regular_file.py`) and its batch is set aside.
+ordered and trimmed without reading a byte of it; from format 2 on (`runtime.formats`) the
+format goes before the form, `….v<N>.<form>`, so a batch of a newer format than this version
+reads is known by its name and left alone (`BacklogFiles.newer`). An entry under a batch's
+name that no batch file can be (a FIFO, a symlink, a device, a file over
+MAX_BATCH_FILE_BYTES) is moved into `rejected/` unopened when indexed; one swapped in later
+fails its read (never blocking, never followed: `runtime/regular_file.py`) and its batch is set
+aside.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from gpuid_agent.delivery.exporters.base import BatchMeta
 from gpuid_agent.delivery.store import StoredBatch
 from gpuid_agent.records.serialize import from_json_lines
 from gpuid_agent.records.types import AnyRecord
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.runtime.errors import CorruptBatchError, RefusedFileError, WireError
 from gpuid_agent.runtime.regular_file import read_regular_file
 
 REJECTED_DIR = "rejected"
 # Twice the largest batch the agent writes (BATCH_SIZE's bound, 100,000 records of ~600 bytes)
 MAX_BATCH_FILE_BYTES = 128 * 1024 * 1024
-_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})\.([a-z0-9]{1,16})$")
+# created ns, batch id, record count, format (none: 1), form
+_NAME = re.compile(r"^(\d{1,20})-([0-9a-f]{32})-(\d{1,9})(?:\.v(\d{1,4}))?\.([a-z0-9]{1,16})$")
 Encoded = bytes  # a batch file's content (`bytes` is a property name inside DiskSpool)
 _log = log.get("spool")
 
@@ -54,7 +58,8 @@ class SpoolFiles:
     @staticmethod
     def name(batch: StoredBatch) -> str:
         created_ns = int(batch.meta.created.timestamp() * 1e9)
-        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}.{batch.form}"
+        marker = formats.spool_marker(formats.FORMATS[formats.SPOOL_BATCH])
+        return f"{created_ns:020d}-{batch.meta.batch_id}-{batch.count}{marker}.{batch.form}"
 
     def reason(self, exc: OSError) -> str:
         """What went wrong, for `problem` and logs."""
@@ -72,8 +77,8 @@ class SpoolFiles:
                     entry.unlink(missing_ok=True)
                 continue
             match = _NAME.match(entry.name)
-            if not match:
-                continue
+            if not match or _newer(match):
+                continue  # a newer version's rejected batch is its to keep or remove
             info = entry.lstat()  # a symlink is a batch's entry, never followed
             if stat.S_ISDIR(info.st_mode):
                 continue
@@ -81,7 +86,7 @@ class SpoolFiles:
             meta = BatchMeta(match.group(2), created)
             size = info.st_size
             batch = StoredBatch(meta, int(match.group(3)), size=size, path=entry)
-            batch.form = match.group(4)
+            batch.form = match.group(5)
             found.append(batch)
         return found
 
@@ -166,6 +171,10 @@ def _read_batch_file(path: Path) -> Encoded:
         raise CorruptBatchError(f"cannot read {path.name}: {exc}") from exc
 
 
+def _newer(match: re.Match[str]) -> bool:
+    return formats.judge(formats.SPOOL_BATCH, int(match.group(4) or 1)) == "newer"
+
+
 def batch_named(directory: Path, name: str, size: int) -> StoredBatch | None:
     """The batch a spool file's name describes (None for a name that is not a batch's)."""
     match = _NAME.match(name)
@@ -173,7 +182,7 @@ def batch_named(directory: Path, name: str, size: int) -> StoredBatch | None:
         return None
     created = datetime.fromtimestamp(int(match.group(1)) / 1e9, UTC)
     batch = StoredBatch(BatchMeta(match.group(2), created), int(match.group(3)), size=size)
-    batch.path, batch.form = directory / name, match.group(4)
+    batch.path, batch.form = directory / name, match.group(5)
     return batch
 
 
@@ -181,3 +190,10 @@ def names_count(name: str) -> int:
     """The record count in a batch file's name (-1 for a name that is not a batch's)."""
     match = _NAME.match(name)
     return int(match.group(3)) if match else -1
+
+
+def names_format(name: str) -> int:
+    """The format of a batch file, from its name (1 without a `.v<N>`; the name must be a
+    batch's: `names_count` is not -1)."""
+    match = _NAME.match(name)
+    return int(match.group(4) or 1) if match else 1

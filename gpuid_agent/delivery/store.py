@@ -110,6 +110,11 @@ class BatchStore(ABC):
     def bytes(self) -> int:
         return 0
 
+    @property
+    def newer_batches(self) -> int:
+        """Batch files of a newer format left for the version that wrote them (a spool's)."""
+        return 0
+
     def describe(self) -> str:
         return "memory"
 

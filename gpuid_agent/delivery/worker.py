@@ -44,6 +44,8 @@ class ExporterWorker:
         self._depth = metrics.queue_depth.labels(name)
         self._spool_bytes = metrics.spool_bytes.labels(name)
         self._spool_batches = metrics.spool_batches.labels(name)
+        # a newer version's batches, left in the spool: found at start, unchanged after it
+        metrics.spool_newer_batches.labels(name).set(self.store.newer_batches)
         self.max_memory_records = 0
         self._keeper = HealthKeeper(name, self.store, policy, metrics, store_problem=store_problem)
         self._intake = Intake(self.store, policy, self._keeper, self._update_gauges)
@@ -145,6 +147,7 @@ class ExporterWorker:
             "max_memory_records": self.max_memory_records,
             "stored_batches": self.store.batches,
             "stored_bytes": self.store.bytes,
+            "newer_format_batches": self.store.newer_batches,
             "delivered_records": keeper.delivered_records,
             "dropped_records": keeper.dropped_records,
             "set_aside_batches": keeper.set_aside_batches,

@@ -128,6 +128,20 @@ class AgentMetrics:
             ["file", "reason"],
             registry=r,
         )
+        self.state_files_newer = Gauge(
+            "gpuid_state_files_newer",
+            "1 while a state file under STATE_DIR is of a newer format than this version reads: "
+            "kept in place for that version, neither read nor written (the agent runs without it).",
+            ["file"],
+            registry=r,
+        )
+        self.spool_newer_batches = Gauge(
+            "gpuid_spool_newer_batches",
+            "Batch files in the spool of a newer format than this version reads, found at start: "
+            "kept for that version to send, outside SPOOL_MAX_BYTES.",
+            ["exporter"],
+            registry=r,
+        )
         self.spool_bytes = Gauge(
             "gpuid_spool_bytes",
             "Bytes of batch files in the durable spool.",

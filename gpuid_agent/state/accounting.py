@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.state.accounting_split import (
     IDLE,
     AccountingView,
@@ -56,8 +56,8 @@ from gpuid_agent.state.attribution.shares import ProcessView
 from gpuid_agent.state.state_file import StateDir, write_atomically
 
 _log = log.get("accounting")
-STATE_FILE = "accounting.json"
-STATE_VERSION = 1
+STATE_FILE = formats.ACCOUNTING
+STATE_VERSION = formats.FORMATS[STATE_FILE]  # raised there when the file's content changes
 SAVE_INTERVAL = 15.0
 MAX_GAP = 600.0  # longest restart gap credited to the saved split
 MAX_ENDED = 4096  # ended workloads, pods and holdings kept at once while they wait out retention
@@ -122,7 +122,6 @@ def _idle_fraction(parts: tuple[Part, ...]) -> float:
 class Accountant:
     def __init__(self, config: AccountingConfig, node: str) -> None:
         self._config, self._node = config, node
-        self.path = config.state_dir.path(STATE_FILE) if config.state_dir else None
         self._as_of: float | None = None
         self._split: dict[str, tuple[Part, ...]] = {}
         self._energy: dict[str, float] = {}  # GPU UUID → counter (mJ) at _as_of
@@ -137,6 +136,8 @@ class Accountant:
         self._saved = 0.0
         self._changed = False
         self._load()
+        # after the load: None while the file there is of a newer format (never overwritten)
+        self.path = config.state_dir.path(STATE_FILE) if config.state_dir else None
 
     def advance(
         self,
@@ -306,8 +307,9 @@ class Accountant:
         self, raw: bytes
     ) -> tuple[float, dict[str, float], dict[str, tuple[Part, ...]], _Totals]:
         state = orjson.loads(raw)
-        if state.get("version") != STATE_VERSION or state.get("node") != self._node:
-            raise ValueError("state file is for another version or node")
+        formats.readable_format(STATE_FILE, state)  # a newer one is kept, not set aside
+        if state.get("node") != self._node:
+            raise ValueError("state file is for another node")
         as_of = float(state["as_of"])
         energy = {str(k): float(v) for k, v in state["energy"].items()}
         split = {

@@ -22,13 +22,12 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.state.attribution import Allocation, Attribution
 from gpuid_agent.state.state_file import StateDir, WireRecord, write_atomically
 
 _log = log.get("allocations")
-STATE_FILE = "allocations.json"
-STATE_VERSION = 1
+STATE_FILE = formats.ALLOCATIONS
 # Key of an allocation while it is open: one device id of one container.
 Key = tuple[str, str, str, str, str]
 _KEY_FIELDS = ("namespace", "pod", "container", "resource_name", "device_id")
@@ -72,7 +71,6 @@ class OpenAllocations:
         self.node = node
         self._stamp = stamp
         self._state_dir = state_dir
-        self.path = state_dir.path(STATE_FILE) if state_dir else None
         self.open: dict[Key, WireRecord] = {}
         self.pending: list[WireRecord] = []  # owed by the saved open set, not yet in every spool
         # allocation_id → where its usage records stand (records/usage.py), saved with them
@@ -81,6 +79,8 @@ class OpenAllocations:
         self._restored_saved_at = ""
         self._first = True
         self._load()
+        # after the load: None while the file there is of a newer format (never overwritten)
+        self.path = state_dir.path(STATE_FILE) if state_dir else None
 
     def update(self, attribution: Attribution) -> AllocationChanges | None:
         """What ended and started since the last current attribution; the ended leave the open
@@ -138,8 +138,9 @@ class OpenAllocations:
         self, raw: bytes
     ) -> tuple[dict[Key, WireRecord], list[WireRecord], dict[str, list[Any]], str]:
         state = orjson.loads(raw)
-        if state.get("version") != STATE_VERSION or state.get("node") != self.node:
-            raise ValueError("state file is for another version or node")
+        formats.readable_format(STATE_FILE, state)  # format 1 is the only one so far
+        if state.get("node") != self.node:
+            raise ValueError("state file is for another node")
         records = [r for r in state["open"] if isinstance(r, dict)]
         opened = {_record_key(r): r for r in records}
         pending = [r for r in state.get("pending", []) if isinstance(r, dict)]
@@ -150,14 +151,16 @@ class OpenAllocations:
 
     def _state_bytes(self) -> bytes:
         return orjson.dumps(
-            {
-                "version": STATE_VERSION,
-                "node": self.node,
-                "saved_at": self._stamp(),
-                "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
-                "pending": self.pending,
-                "usage": self.usage,
-            },
+            formats.stamped(
+                STATE_FILE,
+                {
+                    "node": self.node,
+                    "saved_at": self._stamp(),
+                    "open": sorted(self.open.values(), key=lambda r: r["allocation_id"]),
+                    "pending": self.pending,
+                    "usage": self.usage,
+                },
+            ),
             option=orjson.OPT_SORT_KEYS,
         )
 

@@ -18,12 +18,11 @@ from typing import Literal, NamedTuple
 import orjson
 
 from gpuid_agent.facts import NodeInventory
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.state.state_file import StateDir, WireRecord, write_atomically
 
 _log = log.get("hardware")
-STATE_FILE = "hardware.json"
-STATE_VERSION = 1
+STATE_FILE = formats.HARDWARE
 Slots = dict[str, str]  # PCI bus id -> serial
 
 
@@ -70,10 +69,11 @@ class GpuSlots:
 
     def __init__(self, state_dir: StateDir | None = None) -> None:
         self._state_dir = state_dir
-        self.path = state_dir.path(STATE_FILE) if state_dir else None
         self.serials: Slots | None = None
         self.pending: list[WireRecord] = []
         self._load()
+        # after the load: None while the file there is of a newer format (never overwritten)
+        self.path = state_dir.path(STATE_FILE) if state_dir else None
 
     def update(self, inventory: NodeInventory) -> list[SlotChange]:
         """What changed since the last inventory; remembers the slots to compare with next."""
@@ -99,7 +99,7 @@ class GpuSlots:
 
     def _write(self, path: Path) -> None:
         payload = orjson.dumps(
-            {"version": STATE_VERSION, "slots": self.serials or {}, "pending": self.pending},
+            formats.stamped(STATE_FILE, {"slots": self.serials or {}, "pending": self.pending}),
             option=orjson.OPT_SORT_KEYS,
         )
         write_atomically(path, payload)
@@ -114,8 +114,7 @@ class GpuSlots:
 
 def _parse(raw: bytes) -> tuple[Slots, list[WireRecord]]:
     state = orjson.loads(raw)
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(f"state version {state.get('version')!r}")
+    formats.readable_format(STATE_FILE, state)  # format 1 is the only one so far
     slots = state["slots"]
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in slots.items()):
         raise ValueError("slots must map bus ids to serials")

@@ -8,6 +8,12 @@ damaged file. Such a file is moved, never opened or followed, into `STATE_DIR/re
 (renamed `<file>.<UTC time>.<reason>`), logged once, counted in
 `gpuid_state_files_rejected_total{file, reason}`, and its reader starts from empty state, as
 without a state file. The next save writes a regular file at the path again.
+
+A state file of a newer format than this version reads (`runtime.formats`: a rollback found the
+newer version's file) is neither read nor set aside: it stays where it is, byte for byte, and
+`path` answers None for it so that no save overwrites it. The agent runs without that state,
+reported once (the status board's `state:<file>` component, which logs the change, and
+`gpuid_state_files_newer{file}`), and the newer version reads it when it starts again.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from gpuid_agent.runtime import log
-from gpuid_agent.runtime.errors import RefusedFileError
+from gpuid_agent.runtime.errors import NewerFormatError, RefusedFileError
 from gpuid_agent.runtime.regular_file import NOT_REGULAR, SYMLINK, TOO_LARGE, read_regular_file
+from gpuid_agent.runtime.status import StatusBoard
 
 # A record as the exporters received it; state files keep those they owe (and open allocations'
 # starts) in that form, so a restarted agent sends them again with the same ids.
@@ -46,14 +53,29 @@ _log = log.get("state")
 
 class StateDir:
     """STATE_DIR, or no directory at all (`directory` empty: state lives as long as the
-    process). `rejected` counts the files set aside, by file and reason."""
+    process). `rejected` counts the files set aside, by file and reason; `newer` (1 or 0, by
+    file) and `board` report the files kept for a newer version."""
 
-    def __init__(self, directory: str, rejected: Counter | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        rejected: Counter | None = None,
+        *,
+        newer: Gauge | None = None,
+        board: StatusBoard | None = None,
+    ) -> None:
         self.directory = Path(directory) if directory else None
         self._rejected = rejected
+        self._newer = newer
+        self._board = board
+        self.kept_newer: dict[str, int] = {}  # file → the format it is in
 
     def path(self, name: str) -> Path | None:
-        return self.directory / name if self.directory is not None else None
+        """Where the state file `name` is written: None without STATE_DIR, or while the file
+        there is of a newer format (kept for the version that wrote it)."""
+        if self.directory is None or name in self.kept_newer:
+            return None
+        return self.directory / name
 
     def load(self, name: str, parse: Callable[[bytes], T]) -> T | None:
         """The state file `name` as `parse` makes it; None when there is none, or when it was
@@ -65,6 +87,8 @@ class StateDir:
         if self._rejected is not None:
             for reason in REJECT_REASONS:  # at 0 from the start, for alerts on the first
                 self._rejected.labels(name, reason)
+        if self._newer is not None:
+            self._newer.labels(name).set(0)
         try:
             data = read_regular_file(path, MAX_STATE_FILE_BYTES)
         except FileNotFoundError:
@@ -77,9 +101,25 @@ class StateDir:
             return None
         try:
             return parse(data)
+        except NewerFormatError as exc:
+            self._keep_newer(name, exc)
+            return None
         except PARSE_ERRORS as exc:
             self._set_aside(path, INVALID, str(exc) or type(exc).__name__)
             return None
+
+    def _keep_newer(self, name: str, exc: NewerFormatError) -> None:
+        self.kept_newer[name] = exc.found
+        if self._newer is not None:
+            self._newer.labels(name).set(1)
+        reason = (
+            f"format {exc.found}, newer than this version reads (up to {exc.known}): kept in "
+            "place for the version that wrote it, neither read nor written; running without it"
+        )
+        if self._board is not None:
+            self._board.set(f"state:{name}", "degraded", reason)  # logged once, on /status
+        else:
+            _log.warning("state file kept: " + reason, extra={"file": name})
 
     def _set_aside(self, path: Path, reason: str, error: str) -> None:
         extra: dict[str, str] = {"file": path.name, "reason": reason, "error": error}

@@ -20,14 +20,13 @@ from typing import Any
 
 import orjson
 
-from gpuid_agent.runtime import log
+from gpuid_agent.runtime import formats, log
 from gpuid_agent.runtime.clear_requests import CLEAR_DIR, take_clear_requests
 from gpuid_agent.state.health.xid_history import REPEATS_KEPT
 from gpuid_agent.state.state_file import StateDir, write_atomically
 
 _log = log.get("health.state")
-STATE_FILE = "health.json"
-STATE_VERSION = 1
+STATE_FILE = formats.HEALTH
 MAX_CODES = 256  # XID codes with saved repeats, per GPU
 BOOT_ID = "sys/kernel/random/boot_id"
 
@@ -50,11 +49,14 @@ class HealthFile:
         self.path = state_dir.path(STATE_FILE) if state_dir else None
         self.clear_dir = state_dir.path(CLEAR_DIR) if state_dir else None
         self._last: bytes | None = None
+        self._newer_requests: set[str] = set()  # clear requests of a newer format, left there
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Saved per-GPU state, each GPU's entry checked; {} without a usable file (an odd or
         unreadable one is set aside by `StateDir.load`: latched XIDs start afresh)."""
         gpus = self._state_dir.load(STATE_FILE, _gpus) if self._state_dir else None
+        # None while the file there is of a newer format: no save overwrites it
+        self.path = self._state_dir.path(STATE_FILE) if self._state_dir else None
         if gpus is None:
             return {}
         good = {k: v for k, v in gpus.items() if isinstance(k, str) and _gpu_ok(v)}
@@ -69,7 +71,9 @@ class HealthFile:
         """Write the state when it differs from what was last written."""
         if self.path is None:
             return
-        payload = orjson.dumps({"version": STATE_VERSION, **state}, option=orjson.OPT_SORT_KEYS)
+        payload = orjson.dumps(
+            formats.stamped(STATE_FILE, dict(state)), option=orjson.OPT_SORT_KEYS
+        )
         if payload == self._last:
             return
         try:
@@ -81,21 +85,18 @@ class HealthFile:
 
     def take_clear_requests(self) -> list[str]:
         """The GPUs (UUID or index) operators asked to clear; see `runtime.clear_requests`."""
-        return take_clear_requests(self.clear_dir) if self.clear_dir else []
+        if self.clear_dir is None:
+            return []
+        return take_clear_requests(self.clear_dir, self._newer_requests)
 
 
 def _gpus(raw: bytes) -> dict[Any, Any]:
     doc = orjson.loads(raw)
-    if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-        raise ValueError(f"state version {_get(doc, 'version')!r}")
+    formats.readable_format(STATE_FILE, doc)  # format 1 is the only one so far
     gpus = doc.get("gpus")
     if not isinstance(gpus, dict):
         raise ValueError("gpus must be an object")
     return gpus
-
-
-def _get(doc: object, key: str) -> object:
-    return doc.get(key) if isinstance(doc, dict) else None
 
 
 def _ints(value: object) -> bool:
