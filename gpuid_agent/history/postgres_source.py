@@ -128,7 +128,7 @@ class PostgresSource:
             self._runner.run(conn.close(timeout=5))
         self._runner.close()
 
-    # ---- the Source protocol -------------------------------------------------------------
+    # ---- the statements (each with its arguments), as the questions run them ------------
 
     def _filters(self, where: Where, args: list[Any]) -> str:
         if where.cluster is None:
@@ -136,71 +136,43 @@ class PostgresSource:
         args.append(where.cluster)
         return f" AND cluster = ${len(args)}"
 
-    def sightings(self, where: Where) -> list[Sighting]:
+    def sightings_query(self, where: Where) -> tuple[str, list[Any]]:
+        """By serial: `idx_<readings>_gpu`; by node and time: `idx_<readings>_node_time`."""
         args: list[Any]
         if where.serial is not None:
-            args = [where.serial]
-            sql = f"SELECT {_SIGHTING} FROM {self.readings} WHERE gpu = $1"
+            args, condition = [where.serial], "gpu = $1"
         else:
             args = [where.node, where.since, where.until]
-            sql = (
-                f"SELECT {_SIGHTING} FROM {self.readings} "
-                "WHERE node = $1 AND read_time >= $2 AND read_time <= $3"
-            )
-        sql += self._filters(where, args) + " ORDER BY read_time"
-        rows = self._run(lambda c: c.fetch(sql, *args))
-        return [Sighting(*row) for row in rows]
+            condition = "node = $1 AND read_time >= $2 AND read_time <= $3"
+        sql = f"SELECT {_SIGHTING} FROM {self.readings} WHERE {condition}"
+        return sql + self._filters(where, args) + " ORDER BY read_time", args
 
-    def holdings(self, where: Where) -> list[Holding]:
+    def holdings_query(self, where: Where) -> tuple[str, list[Any]]:
+        """By pod: `idx_<allocations>_pod`; by serial: `_gpu`; by node: `_node_started`."""
         args: list[Any]
         if where.pod is not None:
-            args = [where.namespace, where.pod]
-            condition = "namespace = $1 AND pod = $2"
+            args, condition = [where.namespace, where.pod], "namespace = $1 AND pod = $2"
         elif where.serial is not None:
-            args = [where.serial]
-            condition = "gpu = $1"
+            args, condition = [where.serial], "gpu = $1"
         else:
             args = [where.node, where.since, where.until]
             condition = "node = $1 AND started_at <= $3 AND (ended_at IS NULL OR ended_at >= $2)"
         sql = f"SELECT {_HOLDING} FROM {self.allocations} WHERE {condition}"
-        sql += self._filters(where, args) + " ORDER BY started_at, allocation_id"
+        return sql + self._filters(where, args) + " ORDER BY started_at, allocation_id", args
 
-        async def ask(conn: asyncpg.Connection) -> list[Holding]:
-            found = [Holding(*row) for row in await conn.fetch(sql, *args)]
-            return await self._so_far(conn, found)
+    def so_far_query(self, node: str, since: datetime, ids: list[str]) -> tuple[str, list[Any]]:
+        """Open allocations' usage records on one node since the earliest start:
+        `idx_<events>_node_kind_time`."""
+        sql = f"""SELECT payload->>'allocation_id', sum({_AMOUNT.format("gpu_seconds")}),
+                         sum({_AMOUNT.format("energy_joules")})
+                  FROM {self.events}
+                  WHERE node = $1 AND kind = 'allocation' AND observed_at >= $2
+                    AND payload->>'event' = 'usage' AND payload->>'allocation_id' = ANY($3::text[])
+                  GROUP BY 1"""
+        return sql, [node, since, ids]
 
-        return self._run(ask)
-
-    async def _so_far(self, conn: asyncpg.Connection, found: list[Holding]) -> list[Holding]:
-        """Open allocations with the sum of their usage records so far (one index range of
-        the node's allocation records since the earliest start, per node)."""
-        open_by_node: dict[str, list[Holding]] = {}
-        for h in found:
-            if h.ended_at is None and h.started_at is not None:
-                open_by_node.setdefault(h.node, []).append(h)
-        used: dict[str, tuple[float | None, float | None]] = {}
-        for node, held in open_by_node.items():
-            rows = await conn.fetch(
-                f"""SELECT payload->>'allocation_id', sum({_AMOUNT.format("gpu_seconds")}),
-                           sum({_AMOUNT.format("energy_joules")})
-                    FROM {self.events}
-                    WHERE node = $1 AND kind = 'allocation' AND observed_at >= $2
-                      AND payload->>'event' = 'usage'
-                      AND payload->>'allocation_id' = ANY($3::text[])
-                    GROUP BY 1""",
-                node,
-                min(h.started_at for h in held if h.started_at is not None),
-                [h.allocation_id for h in held],
-            )
-            used |= {r[0]: (_float(r[1]), _float(r[2])) for r in rows}
-        return [
-            replace(h, gpu_seconds=used[h.allocation_id][0], energy_joules=used[h.allocation_id][1])
-            if h.allocation_id in used and h.ended_at is None
-            else h
-            for h in found
-        ]
-
-    def marks(self, where: Where) -> list[Mark]:
+    def marks_query(self, where: Where) -> tuple[str, list[Any]]:
+        """By serial: `idx_<events>_gpu` or `_old_serial`; by node: `_node_kind_time`."""
         args: list[Any]
         if where.serial is not None:
             args = [where.serial]
@@ -212,13 +184,13 @@ class PostgresSource:
             args = [where.node, where.since, where.until]
             condition = f"node = $1 AND {_MARKS} AND observed_at >= $2 AND observed_at <= $3"
         sql = f"SELECT payload::text FROM {self.events} WHERE {condition}"
-        sql += self._filters(where, args) + " ORDER BY observed_at"
-        rows = self._run(lambda c: c.fetch(sql, *args))
-        found = (mark(orjson.loads(row[0])) for row in rows)
-        return [m for m in found if m is not None]
+        return sql + self._filters(where, args) + " ORDER BY observed_at", args
 
-    def usage(self, since: datetime, until: datetime, cluster: str | None) -> list[UsageAmount]:
-        """From the rollup: whole days' totals, and the hours of a day at either end."""
+    def usage_query(
+        self, since: datetime, until: datetime, cluster: str | None
+    ) -> tuple[str, list[Any]]:
+        """The rollup's rows of the days in range (its primary key, by day): whole days'
+        totals, and the hours of a day at either end."""
         hours = ", ".join(
             f"""sum(CASE WHEN day > $1 AND day < $3 THEN {total}
                     ELSE (SELECT COALESCE(sum(x), 0) FROM unnest({hourly}[
@@ -235,7 +207,50 @@ class PostgresSource:
             "WHERE day >= $1 AND day <= $3"
         )
         sql += self._filters(Where(cluster=cluster), args)
-        sql += " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+        return sql + " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3", args
+
+    # ---- the Source protocol -------------------------------------------------------------
+
+    def sightings(self, where: Where) -> list[Sighting]:
+        sql, args = self.sightings_query(where)
+        return [Sighting(*row) for row in self._run(lambda c: c.fetch(sql, *args))]
+
+    def holdings(self, where: Where) -> list[Holding]:
+        sql, args = self.holdings_query(where)
+
+        async def ask(conn: asyncpg.Connection) -> list[Holding]:
+            found = [Holding(*row) for row in await conn.fetch(sql, *args)]
+            return await self._so_far(conn, found)
+
+        return self._run(ask)
+
+    async def _so_far(self, conn: asyncpg.Connection, found: list[Holding]) -> list[Holding]:
+        """Open allocations with the sum of their usage records so far."""
+        open_by_node: dict[str, list[Holding]] = {}
+        for h in found:
+            if h.ended_at is None and h.started_at is not None:
+                open_by_node.setdefault(h.node, []).append(h)
+        used: dict[str, tuple[float | None, float | None]] = {}
+        for node, held in open_by_node.items():
+            since = min(h.started_at for h in held if h.started_at is not None)
+            sql, args = self.so_far_query(node, since, [h.allocation_id for h in held])
+            rows = await conn.fetch(sql, *args)
+            used |= {r[0]: (_float(r[1]), _float(r[2])) for r in rows}
+        return [
+            replace(h, gpu_seconds=used[h.allocation_id][0], energy_joules=used[h.allocation_id][1])
+            if h.allocation_id in used and h.ended_at is None
+            else h
+            for h in found
+        ]
+
+    def marks(self, where: Where) -> list[Mark]:
+        sql, args = self.marks_query(where)
+        rows = self._run(lambda c: c.fetch(sql, *args))
+        found = (mark(orjson.loads(row[0])) for row in rows)
+        return [m for m in found if m is not None]
+
+    def usage(self, since: datetime, until: datetime, cluster: str | None) -> list[UsageAmount]:
+        sql, args = self.usage_query(since, until, cluster)
         rows = self._run(lambda c: c.fetch(sql, *args))
         return [UsageAmount(r[0], r[1], r[2], float(r[3]), float(r[4])) for r in rows]
 

@@ -124,21 +124,22 @@ def _where(p: Placement) -> str:
 def located(holdings: Sequence[Holding], sightings: Sequence[Sighting]) -> list[Holding]:
     """Each holding with the chassis and slot of its GPU: the latest reading of its UUID (else
     its serial) on its node at or before the holding's start, else the first after."""
-    by_node: dict[str, list[Sighting]] = {}
+    by_gpu: dict[tuple[str, str], list[Sighting]] = {}
     for s in sorted(sightings, key=lambda s: s.time):
-        by_node.setdefault(s.node, []).append(s)
+        by_gpu.setdefault((s.node, s.uuid), []).append(s)
+        by_gpu.setdefault((s.node, s.serial), []).append(s)
     out = []
     for h in holdings:
-        candidates = [
-            s
-            for s in by_node.get(h.node, ())
-            if (s.uuid == h.uuid if h.uuid else s.serial == h.serial)
-        ]
+        candidates = by_gpu.get((h.node, h.uuid or h.serial), [])
         if not candidates:
             out.append(h)
             continue
         start = h.started_at
-        before = [s for s in candidates if start is None or s.time <= start]
-        chosen = before[-1] if before else candidates[0]
+        before = (
+            len(candidates)
+            if start is None
+            else bisect.bisect_right(candidates, start, key=lambda s: s.time)
+        )
+        chosen = candidates[before - 1] if before else candidates[0]
         out.append(replace(h, chassis=chosen.chassis, slot=chosen.slot))
     return out

@@ -150,7 +150,8 @@ def migration(tables: Tables) -> list[str]:
     statements += [
         f"CREATE UNIQUE INDEX IF NOT EXISTS {_index(e, 'record_id')} ON {e} (record_id)",
         f"CREATE INDEX IF NOT EXISTS {_index(e, 'kind_time')} ON {e} (kind, observed_at)",
-        f"CREATE INDEX IF NOT EXISTS {_index(e, 'node')} ON {e} (node)",
+        # (node) alone: what `_node_kind_time` (below) now serves; a database that has it
+        # keeps it
     ]
     statements += [
         f"CREATE INDEX IF NOT EXISTS {name} ON {table} {how}"
