@@ -302,6 +302,28 @@ def test_the_tracker_marks_a_clear_by_an_operator_and_by_a_reset() -> None:
     assert transition_event(by_check["lost"], None).reason == "GpuRecovered"  # type: ignore[union-attr]
 
 
+def test_a_reboot_that_cleared_latched_xids_is_told_once_with_the_first_look() -> None:
+    gpus = [GpuIdentity(index=0, uuid="GPU-0")]
+    healthy = {0: GpuHealthSignals(0, "GPU-0")}
+    before = HealthTracker(boot_id="boot-1")
+    before.observe(gpus, healthy, {})
+    before.record_xid(XidEvent(0, "GPU-0", 79, T0))  # latched
+    saved = before.as_state()
+    for boot, told in (("boot-2", "reboot"), ("boot-1", None)):
+        after = HealthTracker(boot_id=boot)
+        after.restore(saved["gpus"])
+        by_check = {t.check: t for t in after.observe(gpus, healthy, {})}
+        assert by_check["xid"].cleared_by == told, boot
+        assert all(t.cleared_by is None for t in after.observe(gpus, healthy, {}))
+    after = HealthTracker(boot_id="boot-2")
+    after.restore(saved["gpus"])
+    event = transition_event(
+        next(t for t in after.observe(gpus, healthy, {}) if t.check == "xid"), None
+    )
+    assert event is not None and event.reason == "GpuLatchedCleared"
+    assert "XIDs cleared by a node reboot" in event.note
+
+
 # ---- docs --------------------------------------------------------------------------------
 
 

@@ -56,7 +56,7 @@ REASONS: Mapping[str, Reason] = {
     "NodeGpusDegraded": Reason("Warning", "Judged", "a node-level check became degraded"),
     "NodeGpusRecovered": Reason("Normal", "Judged", "a node-level check is healthy again"),
 }
-_CLEARED_BY = {"reset": "a GPU reset", "operator": "an operator"}
+_CLEARED_BY = {"reset": "a GPU reset", "operator": "an operator", "reboot": "a node reboot"}
 
 
 @dataclass(frozen=True, slots=True)

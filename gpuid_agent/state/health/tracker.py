@@ -128,7 +128,8 @@ class HealthTracker:
                     extra={"gpu": gpu.index, "uuid": gpu.uuid, "why": reset},
                 )
             verdicts = self._gpu_verdicts(state, sig, lost_reason, now)
-            transitions.extend(self._apply(state, verdicts, wall, "reset" if cleared else ""))
+            by = "reset" if cleared else "reboot" if state.xids.take_rebooted() else ""
+            transitions.extend(self._apply(state, verdicts, wall, by))
         present = {g.uuid for g in gpus}
         for uuid in [u for u in self._gpus if u not in present]:
             del self._gpus[uuid]  # gone from the node: the count check speaks for it
@@ -365,6 +366,8 @@ class HealthTracker:
         changed, dirty = state.states.apply(verdicts, wall)
         if dirty:
             self._snapshot = None
+        if by == "reboot" and "xid" in verdicts and all(n != "xid" for n, _, _ in changed):
+            changed.append(("xid", state.states.current["xid"], None))  # a quiet start: tell it
         if not changed:
             return []
         gpu_state, _ = worst(state.states.current.values())

@@ -60,6 +60,12 @@ class XidHistory:
     boots: dict[int, list[str]] = field(default_factory=dict)  # per code, oldest first
     pair_window: float = 0.0  # > 0: XIDs come from NVML and the kernel log, pair them up
     unpaired: list[_Unpaired] = field(default_factory=list)
+    rebooted: bool = False  # latched XIDs of an earlier boot were restored, and so cleared
+
+    def take_rebooted(self) -> bool:
+        """Whether a reboot cleared latched XIDs restored for this GPU; told once."""
+        rebooted, self.rebooted = self.rebooted, False
+        return rebooted
 
     def record(
         self,
@@ -184,6 +190,7 @@ class XidHistory:
             self.boots[int(code)] = [str(b) for b in _strings(seen)][-BOOTS_KEPT:]
         for item in saved.get("latched", []):
             if boot is None or item.get("boot_id") != boot:
+                self.rebooted |= boot is not None  # the reboot was their reset
                 continue
             bucket = item.get("bucket")  # a kernel line's subcode bucket, kept
             action = item.get("recovery_action")  # XID 154 judged by its line's action
