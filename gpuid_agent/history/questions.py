@@ -90,9 +90,7 @@ def node(
         raise NotFoundError(f"node {', '.join(missing)}: no records {when}")
     return Answer(
         question="node",
-        subject=", ".join(names)
-        if len(names) <= 3
-        else f"{len(names)} nodes: {names[0]} … {names[-1]}",
+        subject=_nodes(names),
         since=since,
         until=until,
         at=at,
@@ -100,6 +98,14 @@ def node(
         holdings=tuple(holdings),
         marks=_in_order(marks),
     )
+
+
+def _nodes(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return f"node {names[0]}"
+    if len(names) <= 3:
+        return "nodes " + ", ".join(names)
+    return f"{len(names)} nodes, {names[0]} to {names[-1]}"
 
 
 def _open_at(h: Holding, at: datetime) -> bool:

@@ -56,7 +56,7 @@ svg { display: block; background: #fff; }
 .alloc { stroke: #fff; stroke-width: 0.5; }
 .alloc.open { fill-opacity: 0.6; }
 .alloc.hl { stroke: #000; stroke-width: 1.5; }
-.mark { stroke: #fff; stroke-width: 0.8; }
+.mark { stroke: #fff; stroke-width: 1.2; paint-order: stroke; }
 #info { position: sticky; top: 0; background: #fffbe6; border: 1px solid #e8dca0;
         padding: 4px 8px; min-height: 18px; white-space: pre-wrap; max-width: 1380px; z-index: 1; }
 table.usage { border-collapse: collapse; margin-top: 12px; }
@@ -154,7 +154,7 @@ def _mark(m: Mark, x: float, y: float, tz: tzinfo) -> str:
     title = f"<title>{escape(_mark_title(m, tz))}</title>"
     cls = f'class="mark {m.kind}" data-kind="{m.kind}"'
     if m.kind == "xid":  # a triangle pointing down onto the row
-        points = f"{x - 5:.1f},{y - 6:.1f} {x + 5:.1f},{y - 6:.1f} {x:.1f},{y + 3:.1f}"
+        points = f"{x - 6:.1f},{y - 8:.1f} {x + 6:.1f},{y - 8:.1f} {x:.1f},{y + 4:.1f}"
         return f'<polygon {cls} points="{points}" fill="{colour}">{title}</polygon>'
     if m.kind in ("replaced", "added"):
         fill = colour if m.kind == "replaced" else "#fff"

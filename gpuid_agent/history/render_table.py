@@ -38,7 +38,7 @@ def _heading(answer: Answer, tz: tzinfo) -> str:
         else f"from {show(answer.since, tz)} to {show(answer.until, tz)}"
     )
     if answer.question == "node":
-        return f"node {answer.subject} {span}"
+        return f"{answer.subject} {span}"
     return f"GPU usage by {answer.by}, periods starting {span.removeprefix('at ')}"
 
 

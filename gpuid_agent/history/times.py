@@ -48,7 +48,10 @@ def parse(text: str, tz: tzinfo, now: datetime | None = None) -> datetime:
         raise ValueError(expected) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=tz)
-    return moment.astimezone(UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is before the first UTC moment there is
+        raise ValueError(expected) from None
 
 
 def show(moment: datetime | None, tz: tzinfo) -> str:
