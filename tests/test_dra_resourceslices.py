@@ -17,8 +17,13 @@ from hypothesis import strategies as st
 
 from gpuid_agent.runtime.status import StatusBoard
 from gpuid_agent.sources.kube.client import KubeClient, create_kube_client
-from gpuid_agent.sources.kube.resourceslices import ResourceSliceCache, slice_devices
+from gpuid_agent.sources.kube.resourceslices import (
+    ResourceSliceCache,
+    SliceDevice,
+    slice_devices,
+)
 from gpuid_agent.sources.kubelet import ClaimAssignment, PodResourcesSnapshot
+from gpuid_agent.sources.kubelet.claims import GPU_DRIVERS
 from gpuid_agent.state.attribution import attribute
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.test_dra_claims import MIG_3G, NODE, UUIDS, inventory
@@ -290,12 +295,83 @@ def test_hostile_slices_never_raise(obj: Any) -> None:
         assert d.uuid is None or (isinstance(d.uuid, str) and 0 < len(d.uuid) <= 128)
 
 
+def places(doc: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON document (object keys, array indices), the document's own first."""
+    found = [at]
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            found += places(value, (*at, key))
+    elif isinstance(doc, list):
+        for index, value in enumerate(doc):
+            found += places(value, (*at, index))
+    return found
+
+
+@st.composite
+def near_gpu_slices(draw: st.DrawFn) -> dict[str, Any]:
+    """A slice as NVIDIA's driver publishes it (v1 or v1beta1), or as another driver would,
+    with a name and pool of its own, and up to three places in it (the driver, the pool, a
+    device, an attribute, a UUID…) replaced by hostile JSON or a plausible wrong value."""
+    n = next(_serial)
+    version = draw(st.sampled_from(["v1", "v1beta1"]))
+    devices = [
+        objects.gpu_device(f"near-{n}-{i}", draw(st.sampled_from(UUIDS)), version=version)
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    doc = objects.resource_slice(
+        f"near-{n}",
+        NODE,
+        devices,
+        version=version,
+        driver=draw(st.sampled_from([GPU, "dra.net", "x", ""])),
+        pool=f"near-pool-{n}",
+        generation=n,
+    )
+    wrong = st.sampled_from(["x", "", "dra.net", GPU, "u" * 129, {"string": ""}]) | json_values
+    for _ in range(draw(st.integers(0, 3))):
+        *parents, last = draw(st.sampled_from(places(doc)[1:]))
+        target = doc
+        for step in parents:
+            target = target[step]
+        target[last] = draw(wrong)
+    return doc
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(json_values | st.fixed_dictionaries({"type": json_values, "object": json_values})))
-def test_hostile_lists_are_survived(items: list[Any]) -> None:
+@given(
+    st.lists(
+        json_values
+        | st.fixed_dictionaries({"type": json_values, "object": json_values})
+        | near_gpu_slices(),
+        max_size=8,
+    ),
+    st.sampled_from(["v1", "v1beta1"]),
+    st.integers(0, 8),
+)
+def test_hostile_lists_are_survived(items: list[Any], version: str, at: int) -> None:
+    """Hostile items and damaged GPU slices around one sound GPU slice: the sound slice's
+    devices are all found as it gives them, and nothing gets in that is not a GPU driver's
+    named device with its UUIDs absent or sane."""
+    sound = objects.resource_slice(
+        "sound",
+        NODE,
+        [
+            objects.gpu_device("gpu-0", UUIDS[0], version=version),
+            objects.gpu_device("gpu-3-mig", MIG_3G, parent_uuid=UUIDS[3], version=version),
+        ],
+        version=version,
+        pool="sound-pool",
+    )
+    items.insert(at, sound)
     cache = ResourceSliceCache(NODE)
     cache.load(items, "a hostile node")
-    assert all(d.driver == GPU for d in cache.devices())
+    whole = SliceDevice(GPU, "sound-pool", "gpu-0", UUIDS[0])
+    mig = SliceDevice(GPU, "sound-pool", "gpu-3-mig", MIG_3G, UUIDS[3])
+    assert [cache.lookup(GPU, "sound-pool", d.name) for d in (whole, mig)] == [whole, mig]
+    for d in cache.devices():
+        assert d.driver in GPU_DRIVERS and isinstance(d.pool, str) and isinstance(d.name, str)
+        for uuid in (d.uuid, d.parent_uuid):
+            assert uuid is None or (isinstance(uuid, str) and 0 < len(uuid) <= 128)
 
 
 @pytest.fixture

@@ -7,9 +7,12 @@ normally."""
 from __future__ import annotations
 
 import io
+import math
+import struct
 
 import pynvml
 from hypothesis import given
+from hypothesis import settings as examples
 from hypothesis import strategies as st
 
 from gpuid_agent.agent import Agent
@@ -164,14 +167,32 @@ async def test_an_xid_on_a_mig_device_names_only_that_devices_holders(
     assert [h["pod"] for h in record["holders"]] == ["small"]
 
 
-@given(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.sampled_from([0, 2, 3]))
+# nvmlValue_t's members by NVML_VALUE_TYPE_*, as struct formats of the union's first bytes
+# (little-endian, LP64: unsigned long is 64 bits): double, uint, ulong, ulonglong, slonglong,
+# int, ushort.
+VALUE_FORMATS = ("<d", "<I", "<Q", "<Q", "<q", "<i", "<H")
+# the bits of doubles (NaN and infinities among them) beside any 64-bit pattern
+RAW_BITS = st.integers(0, 2**64 - 1) | st.floats().map(
+    lambda f: int.from_bytes(struct.pack("<d", f), "little")
+)
+
+
+@examples(max_examples=500)
+@given(
+    st.integers(0, 7) | st.integers(0, 2**32 - 1), RAW_BITS, st.just(0) | st.sampled_from([2, 3])
+)
 def test_a_field_value_of_any_type_decodes_or_is_left_out(
     value_type: int, raw: int, rc: int
 ) -> None:
     entry = pynvml.c_nvmlFieldValue_t()
     entry.fieldId, entry.valueType, entry.value.ullVal, entry.nvmlReturn = 230, value_type, raw, rc
     value = _field_value(entry)  # never raises: a bad entry fails that one reading
-    if rc != 0 or value_type > 6:
+    if rc != 0 or value_type >= len(VALUE_FORMATS):
         assert value is None
-    elif value_type != 0:  # the integer types
-        assert isinstance(value, int)
+        return
+    layout = VALUE_FORMATS[value_type]
+    [sent] = struct.unpack_from(layout, raw.to_bytes(8, "little"))
+    if isinstance(sent, float) and not math.isfinite(sent):
+        assert value is None  # a double that is no number
+    else:
+        assert value == int(sent) and type(value) is int

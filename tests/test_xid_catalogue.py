@@ -37,6 +37,17 @@ from tests.waiting import eventually
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RAW = resources.files("gpuid_agent.state.health").joinpath(CATALOG_FILE).read_text("utf-8")
+BUCKETS = sorted(json.loads(RAW)["buckets"])
+
+
+def hex_digests(*lengths: int) -> st.SearchStrategy[str]:
+    """Hex strings of these lengths, lower case or not: digests and near misses."""
+    return st.sampled_from(lengths).flatmap(
+        lambda n: (
+            st.text("0123456789abcdef", min_size=n, max_size=n)
+            | st.text("0123456789abcdefABCDEF", min_size=n, max_size=n)
+        )
+    )
 
 
 def test_every_code_nvidia_lists_is_there_with_its_source_and_date() -> None:
@@ -115,7 +126,11 @@ def test_xid_154_falls_back_to_its_bucket_where_the_driver_lacks_the_recovery_fi
 @pytest.mark.parametrize(
     ("key", "length"), [("source_commit", 40), ("source_file_sha256", 64), ("source_file", 0)]
 )
-@given(value=st.one_of(st.none(), st.integers(), st.text(max_size=70), st.just("a" * 40)))
+@given(
+    value=st.one_of(
+        st.none(), st.integers(), st.text(max_size=70), hex_digests(39, 40, 41, 63, 64, 65)
+    )
+)
 def test_the_source_file_must_be_named_with_its_commit_and_digest(
     key: str, length: int, value: object
 ) -> None:
@@ -132,7 +147,15 @@ def test_the_source_file_must_be_named_with_its_commit_and_digest(
             parse_catalog(json.dumps(doc))
 
 
-@given(st.one_of(st.none(), st.integers(), st.text(max_size=70), st.binary(max_size=8)))
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.text(max_size=70),
+        st.binary(max_size=8),
+        hex_digests(63, 64, 65),
+    )
+)
 def test_the_sheet_digest_must_be_a_sha256_or_absent(value: object) -> None:
     doc = json.loads(RAW)
     doc["sheet_sha256"] = value
@@ -169,14 +192,27 @@ def test_any_code_gets_a_class_and_unknown_ones_are_reported_as_unknown(code: ob
         assert cls.name.startswith("unknown XID")
 
 
-@given(st.sampled_from(sorted(XID_TABLE)), st.text(max_size=12))
+# a bucket of the catalogue's, one near it (another case, a space more), or any text
+bucket_names = st.sampled_from(BUCKETS).flatmap(
+    lambda b: st.sampled_from([b, b.lower(), f"{b} ", b[:-1]])
+) | st.text(max_size=12)
+
+
+@given(st.sampled_from(sorted(XID_TABLE)), bucket_names)
 def test_a_corrupted_bucket_is_refused_naming_the_code(code: int, bucket: str) -> None:
     doc = json.loads(RAW)
     row = next(r for r in doc["xids"] if r["code"] == code)
     row.pop("agent", None)
     row["category"], row["immediate"] = "engine", bucket
     if bucket in doc["buckets"]:
-        assert parse_catalog(json.dumps(doc)).entries[code].immediate == bucket
+        entry = parse_catalog(json.dumps(doc)).entries[code]
+        judged = doc["buckets"][bucket]
+        assert entry.immediate == bucket
+        assert (entry.judged.state, entry.judged.action, entry.judged.latched) == (
+            judged["state"],
+            judged["action"],
+            judged["latched"],
+        )
     else:
         with pytest.raises(ValueError, match=f"XID {code}"):
             parse_catalog(json.dumps(doc))
