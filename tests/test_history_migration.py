@@ -5,7 +5,9 @@ once, whatever is re-sent; a usage record it cannot read adds nothing and fails 
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -98,3 +100,51 @@ async def test_a_usage_record_the_rollup_cannot_read_adds_nothing(
     # the readable ones count as records; an amount past 1e300 (sums would overflow) adds 0
     seconds, counted = await rollup(db, pg_schema)
     assert (seconds, counted) == (good.gpu_seconds, 2)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "exporters" / "postgres.md"
+
+
+def doc_statements() -> list[str]:
+    block = re.search(r"<!-- history-indexes -->\s*```sql\n(.*?)```", DOC.read_text(), re.S)
+    assert block is not None
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_docs_indexes_are_the_migrations() -> None:
+    tables = Tables.named("gpu_readings", "gpu_allocations", "gpu_events")
+    expected = [
+        f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} {how};"
+        for name, (table, how) in history_indexes(tables).items()
+    ]
+    assert doc_statements() == expected
+
+
+async def test_indexes_built_ahead_are_taken_as_they_are(
+    make: Factory, db: asyncpg.Connection, pg_schema: str
+) -> None:
+    """The docs' statements, run by hand (outside a transaction) on an older database: the
+    next agent's migration finds the indexes and builds none of its own."""
+    await make().export(usage_records()[:3])
+    tables = Tables.named(f"{pg_schema}.gpu_readings", "gpu_allocations", "gpu_events")
+    for index in history_indexes(tables):
+        await db.execute(f"DROP INDEX {pg_schema}.{index}")
+    await db.execute(f"SET search_path TO {pg_schema}")
+    for statement in doc_statements():
+        await db.execute(statement)
+    before = {
+        r[0]: r[1]
+        for r in await db.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", pg_schema
+        )
+    }
+    await db.execute(f"DROP TABLE {pg_schema}.gpu_events_usage")  # so the migration runs
+    await make().export(usage_records()[3:6])
+    after = {
+        r[0]: r[1]
+        for r in await db.fetch(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1", pg_schema
+        )
+    }
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert await rollup(db, pg_schema) == (3600.0 * 6, 6)

@@ -2,7 +2,7 @@
 fetched. The timeline has a row per GPU serial grouped by chassis and node, a bar per
 allocation coloured by namespace, marks for health transitions, XIDs, replacements and moves,
 the exact times and pod names on hover (SVG titles, so without script too), and a legend.
-At 72 GPUs over 30 days it is about 1,700 pixels tall and as wide as a laptop screen."""
+At 72 GPUs over 30 days it is about 1,900 pixels tall and 1,400 wide."""
 
 from __future__ import annotations
 
