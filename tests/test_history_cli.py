@@ -154,7 +154,11 @@ def test_csv_and_html_outputs(records: Path, subprocess_env: dict[str, str], tmp
     assert {r["record"] for r in rows} == {"placement", "allocation", "event"}
     page = tmp_path / "sn-a.html"
     done = _run([*base, "--html", str(page)], subprocess_env)
-    assert done.returncode == 0 and page.read_text().count('class="alloc') == 3
+    html = page.read_text()
+    assert done.returncode == 0 and html.count('class="alloc') == 3
+    # one row for SN-A under each node; the replacement mark on it, not on the newcomer's
+    assert html.count('<g class="gpu-row" data-serial="SN-A"') == 2
+    assert html.count('class="gpu-row"') == 2 and html.count('data-kind="replaced"') == 1
     usage = _run(["history", "usage", "--since", "2025-03-01", "--until", "2025-03-02",
                   "--records", str(records), "--csv"], subprocess_env)  # fmt: skip
     assert usage.stdout.splitlines()[0] == "namespace,gpu_hours,kwh"

@@ -101,6 +101,8 @@ def layout(answer: Answer) -> Timeline:
     for m in answer.marks:
         target = group(m.node, m.chassis)
         serial = m.serial or (m.new_serial if m.kind in ("replaced", "added") else "")
+        if answer.question == "gpu":  # on the GPU asked about, whether it came or left
+            serial = answer.subject
         target.row(serial or NODE_ROW).marks.append(m)
     start, end = bounds(answer)
     ordered = tuple(
