@@ -3,7 +3,8 @@ serves and stops: a FIFO is never opened, a symlink never followed (to /dev/zero
 STATE_DIR), a huge file never read; each is moved into `rejected/` and counted. And SIGTERM
 ends an agent whose start is blocked on a file.
 
-Run with -s to see the measured figures (time to /readyz, peak RSS, SIGTERM to exit)."""
+Run with -s to see the measured figures (time to /readyz, SIGTERM to exit); the memory of an
+agent over such files is `python -m benchmarks state_files`'s."""
 
 from __future__ import annotations
 
@@ -40,13 +41,6 @@ def started_port(log: Path) -> int | None:
         if '"agent started"' in line:
             return int(json.loads(line)["port"])
     return None
-
-
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 class Agent:
@@ -200,12 +194,12 @@ async def test_symlinks_as_state_files_are_not_followed(
     agent = Agent(tmp_path, subprocess_env | {"STATE_DIR": str(state)}, "--simulate", "gb200x4")
     try:
         to_ready = await agent.ready()
-        peak = peak_rss_mib(agent.proc.pid)
         counted = await agent.counters(REJECTED)
         for file in ("allocations.json", "hardware.json"):
             assert counted[(file, "symlink")] == 1
-        set_aside = rejected(state)
-        assert all(stat.S_ISLNK(s.st_mode) for s in set_aside.values())
+        # set aside unread: the links themselves, still pointing where they pointed
+        links = {p.name.split(".")[0]: os.readlink(p) for p in (state / "rejected").iterdir()}
+        assert links == {"hardware": "/dev/zero", "allocations": str(secret)}
         # the simulated node's pods open allocations: the trail saves a regular file
         await eventually(lambda: (state / "allocations.json").is_file())
         await eventually(lambda: (state / "hardware.json").is_file())
@@ -216,10 +210,8 @@ async def test_symlinks_as_state_files_are_not_followed(
             text = written.read_text(errors="replace")
             assert "root:x" not in text and "token-d2f1e8b0" not in text
         print(
-            f"\n/dev/zero as hardware.json: /readyz after {to_ready:.2f}s, "
-            f"peak RSS {peak:.0f} MiB; SIGTERM to exit {to_exit:.2f}s"
+            f"\n/dev/zero as hardware.json: /readyz after {to_ready:.2f}s; SIGTERM to exit {to_exit:.2f}s"
         )
-        assert peak < 512  # landed main read /dev/zero to 2.6 GB, then died of MemoryError
     finally:
         agent.close()
 
