@@ -41,9 +41,10 @@ GOAL = 1.5
 
 
 async def serve_snapshot(port: int, naming: gpu_metrics.Naming) -> None:
-    """The agent's app serving one rendered 1,024-pod snapshot until killed."""
+    """The agent's app serving one 1,024-pod snapshot until killed (rendered by the first
+    scrape, in the warm-up)."""
     renderer = MetricsRenderer(naming, (), object())
-    await renderer.render(snapshot(1))
+    renderer.offer(snapshot(1))
     app = build_app(_Healthy(), renderer, CollectorRegistry(auto_describe=False))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -2,9 +2,9 @@
 
 dcgm naming repeats every telemetry series per holder, so 8 GPUs x 128 pods is the heaviest
 body the agent makes. The /healthz row runs the real app on a real aiohttp server, publishes a
-new snapshot as soon as the last one is rendered (renders back to back) and polls /healthz
-~100 times a second; the "on the loop" row is the old approach (render called on the loop) for
-comparison.
+new snapshot and scrapes it as soon as the last one is rendered (renders back to back) and polls
+/healthz ~100 times a second; the "on the loop" row is the old approach (render called on the
+loop as each snapshot arrives) for comparison.
 """
 
 from __future__ import annotations
@@ -215,11 +215,8 @@ class _OnLoop:
         self.renders = 0
         self.openmetrics_offered = True
 
-    def text(self) -> bytes:
-        return self.rendered.text
-
-    async def openmetrics(self) -> bytes:
-        return self.rendered.openmetrics
+    async def body(self, fmt: gpu_metrics.Format, scraper: str | None) -> bytes:
+        return self.rendered.text if fmt == "text" else self.rendered.openmetrics
 
     async def run(self, subscription: Subscription) -> None:
         async for snap in subscription:
@@ -230,7 +227,7 @@ class _OnLoop:
 
 async def _healthz_during_renders(
     renderer: Any, run: Callable[[Subscription], Awaitable[None]]
-) -> tuple[list[float], int]:
+) -> list[float]:
     bus = SnapshotBus()
     app = build_app(_Healthy(), renderer, CollectorRegistry(auto_describe=False))
     runner = web.AppRunner(app, access_log=None)
@@ -244,12 +241,16 @@ async def _healthz_during_renders(
     base = snapshot(1)
 
     async def publish() -> None:
-        # a snapshot every PUBLISH_EVERY (collections and XIDs): renders run back to back
+        # a snapshot every PUBLISH_EVERY (collections and XIDs), each scraped: renders run
+        # back to back
         seq = 0
-        while not stop.is_set():
-            seq += 1
-            bus.publish(dataclasses.replace(base, seq=seq))
-            await asyncio.sleep(PUBLISH_EVERY)
+        async with aiohttp.ClientSession() as http:
+            while not stop.is_set():
+                seq += 1
+                bus.publish(dataclasses.replace(base, seq=seq))
+                async with http.get(f"http://127.0.0.1:{port}/gpu/metrics") as resp:
+                    await resp.read()
+                await asyncio.sleep(PUBLISH_EVERY)
 
     publisher = asyncio.create_task(publish())
     latencies: list[float] = []
@@ -272,7 +273,7 @@ async def _healthz_during_renders(
         await asyncio.gather(publisher, task, return_exceptions=True)
         bus.close()
         await runner.cleanup()
-    return latencies, getattr(renderer, "renders", renderer.seq)
+    return latencies
 
 
 def _latency_rows(label: str, latencies: list[float], renders: int) -> list[Row]:
@@ -294,7 +295,11 @@ def _latency_rows(label: str, latencies: list[float], renders: int) -> list[Row]
 async def run() -> list[Row]:
     rows = render_rows()
     on_loop = _OnLoop()
-    rows += _latency_rows("on the loop", *await _healthz_during_renders(on_loop, on_loop.run))
+    latencies = await _healthz_during_renders(on_loop, on_loop.run)
+    rows += _latency_rows("on the loop", latencies, on_loop.renders)
     renderer = MetricsRenderer(NAMING, (), object())
-    rows += _latency_rows("renderer", *await _healthz_during_renders(renderer, renderer.run))
+    renders: list[int] = []
+    renderer.observer = lambda fmt, seq: renders.append(seq)
+    latencies = await _healthz_during_renders(renderer, renderer.run)
+    rows += _latency_rows("renderer", latencies, len(renders))
     return rows

@@ -113,7 +113,9 @@ class Agent:
             collector_config(s, state_dir), self.identity, nvml, self.attributor, self.bus,
             metrics=self.metrics, board=self.board, processes=processes,
         )  # fmt: skip
-        self.renderer = MetricsRenderer(s.metrics_naming, s.pod_label_allowlist, self.pods)
+        self.renderer = MetricsRenderer(
+            s.metrics_naming, s.pod_label_allowlist, self.pods, self.metrics.render_duration
+        )
         # None unless OTEL_METRICS_EXPORTER=otlp: only then is opentelemetry-proto loaded
         self.otlp_metrics: OtlpMetricsPush | None = otlp_metrics_push(
             s, self.renderer.families, self.metrics

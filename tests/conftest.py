@@ -61,6 +61,12 @@ async def running_agent(agent: Agent) -> AsyncIterator[Agent]:
         await agent.stop()
 
 
+async def serves(agent: Agent, *parts: bytes) -> bool:
+    """/gpu/metrics (text) as a scrape would get it now has every one of `parts`."""
+    text = (await agent.renderer.rendered()).text
+    return all(part in text for part in parts)
+
+
 def node_health(agent: Agent) -> NodeHealth:
     """GPU health as the agent last published it (what /gpu/metrics, Node conditions and
     health records read); empty before the first snapshot."""

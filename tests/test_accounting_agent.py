@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
+from gpuid_agent.serving.renderer import Rendered
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import test_dra_agent as dra
 from tests.conftest import running_agent, settings
@@ -38,27 +39,36 @@ DRIVER = "gpu.nvidia.com"
 BIG_MIG = "gpu-0-mig-9-0-4"
 
 
-def latest(agent: Agent, name: str) -> tuple[dict[str, float], float]:
-    """The latest snapshot's rendered counter per pod, and its collection's time."""
-    snapshot = agent.bus.latest
-    assert snapshot is not None
-    rendered = agent.renderer.current()
+async def served(agent: Agent) -> Rendered:
+    """/gpu/metrics as a scrape gets it now, with the snapshot it is of."""
+    rendered = await agent.renderer.rendered()
     assert rendered.snapshot is not None
-    return per_pod(rendered.text, name), rendered.snapshot.inventory.read_time.timestamp()
+    return rendered
 
 
-def served_read_time(agent: Agent) -> float:
-    """When the NVML read that /gpu/metrics now serves was taken (reads are stamped as they
-    end; 0: nothing served yet)."""
-    snapshot = agent.renderer.current().snapshot
-    return 0.0 if snapshot is None else snapshot.inventory.read_time.timestamp()
+def read_time(rendered: Rendered) -> float:
+    """When the NVML read of the page was taken (reads are stamped as they end)."""
+    assert rendered.snapshot is not None
+    return rendered.snapshot.inventory.read_time.timestamp()
+
+
+async def served_read_after(agent: Agent, moment: float) -> float:
+    """The read time of what /gpu/metrics serves, once it is later than `moment` (else 0)."""
+    rendered = await agent.renderer.rendered()
+    t = 0.0 if rendered.snapshot is None else read_time(rendered)
+    return t if t > moment else 0.0
 
 
 async def reads_after(agent: Agent, moment: float) -> None:
     """Wait until /gpu/metrics serves an NVML read begun after `moment` (wall clock): the one
     after the first read stamped later, which may have begun before it."""
-    first = await eventually(lambda: (t := served_read_time(agent)) > moment and t)
-    await eventually(lambda: served_read_time(agent) > first)
+    first = await eventually(lambda: served_read_after(agent, moment))
+    await eventually(lambda: served_read_after(agent, first))
+
+
+async def counted(agent: Agent, name: str, pod: str) -> bool:
+    """/gpu/metrics serves a count above 0 of counter `name` for `pod`."""
+    return per_pod((await agent.renderer.rendered()).text, name).get(pod, 0) > 0
 
 
 def per_pod(text: bytes, name: str) -> dict[str, float]:
@@ -102,21 +112,23 @@ async def test_shares_energy_and_churn_add_up(
     )
     seconds, joules = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
     async with running_agent(agent):
-        text = lambda: agent.renderer.current().text  # noqa: E731
-        await eventually(lambda: per_pod(text(), seconds).get("serve", 0) > 0)
-        before, t0 = latest(agent, seconds)
-        e_before = per_pod(text(), joules)
+        await eventually(lambda: counted(agent, seconds, "serve"))
+        first = await served(agent)
+        before, t0 = per_pod(first.text, seconds), read_time(first)
+        e_before = per_pod(first.text, joules)
         g0, g1 = config.gpus[0], config.gpus[1]
         g0.energy_mj = (g0.energy_mj or 0) + 800_000  # 800 J on the time-sliced GPU
         g1.energy_mj = (g1.energy_mj or 0) + 300_000  # 300 J on the notebook's
         fake_nvml.apply(config)
         await reads_after(agent, max(time.time(), t0 + WINDOW))  # the counters' jump is in
-        after, t1 = latest(agent, seconds)
-        e_after = per_pod(text(), joules)
+        last = await served(agent)
+        after, t1 = per_pod(last.text, seconds), read_time(last)
+        e_after = per_pod(last.text, joules)
         # serve leaves mid-interval: its end carries what it used
         real_kubelet.pods = [p for p in real_kubelet.pods if p.name != "serve"]
         real_kubelet.publish()
         await eventually(lambda: any(r.get("event") == "end" for r in records(out)))
+        workloads = per_pod((await served(agent)).text, "gpuid_workload_gpu_seconds_total")
     held = t1 - t0
     d = {k: after[k] - before.get(k, 0) for k in after}
     # GPU 0: split by measured SM share (train 50 %, serve 30 % via MPS: 5/8 and 3/8)
@@ -127,7 +139,6 @@ async def test_shares_energy_and_churn_add_up(
     assert e["train"] + e["serve"] == pytest.approx(800, rel=0.01)
     assert e["train"] == pytest.approx(500, rel=0.01)
     assert e["notebook"] == pytest.approx(300, rel=0.01)
-    workloads = per_pod(text(), "gpuid_workload_gpu_seconds_total")
     assert workloads[""] > 0  # the idle row: GPUs 2-7
     sent = records(out)
     end = next(r for r in sent if r.get("event") == "end" and r["pod"] == "serve")
@@ -201,19 +212,20 @@ async def test_mig_fraction_and_a_dra_claim_shared_by_two_pods(
     )
     pod_s, pod_j = "gpuid_pod_gpu_seconds_total", "gpuid_pod_gpu_energy_joules_total"
     async with running_agent(agent):
-        text = lambda: agent.renderer.current().text  # noqa: E731
-        await eventually(lambda: per_pod(text(), pod_s).get("big", 0) > 0, within=20)
-        before, t0 = latest(agent, pod_s)
-        e_before = per_pod(text(), pod_j)
-        w_before = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+        await eventually(lambda: counted(agent, pod_s, "big"), within=20)
+        first = await served(agent)
+        before, t0 = per_pod(first.text, pod_s), read_time(first)
+        e_before = per_pod(first.text, pod_j)
+        w_before = by_labels(first.text, "gpuid_workload_device_seconds_total", "claim")
         g0, g2 = config.gpus[0], config.gpus[2]
         g0.energy_mj = (g0.energy_mj or 0) + 700_000
         g2.energy_mj = (g2.energy_mj or 0) + 400_000
         fake_nvml.apply(config)
         await reads_after(agent, max(time.time(), t0 + WINDOW))  # the counters' jump is in
-        after, t1 = latest(agent, pod_s)
-        e_after = per_pod(text(), pod_j)
-        w_after = by_labels(text(), "gpuid_workload_device_seconds_total", "claim")
+        last = await served(agent)
+        after, t1 = per_pod(last.text, pod_s), read_time(last)
+        e_after = per_pod(last.text, pod_j)
+        w_after = by_labels(last.text, "gpuid_workload_device_seconds_total", "claim")
     held = t1 - t0
     d = {k: after[k] - before.get(k, 0) for k in after}
     assert d["big"] == pytest.approx(held * 3 / 7, abs=INTERVAL)

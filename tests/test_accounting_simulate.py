@@ -36,9 +36,9 @@ def totals(text: bytes) -> dict[str, float]:
     return out
 
 
-def rendered_from(agent: Agent, read_after: float) -> Rendered | None:
+async def rendered_from(agent: Agent, read_after: float) -> Rendered | None:
     """What /gpu/metrics serves, once it is of an NVML read taken after `read_after`."""
-    rendered = agent.renderer.current()
+    rendered = await agent.renderer.rendered()
     if rendered.snapshot is None or read_time(rendered.snapshot) <= read_after:
         return None
     return rendered

@@ -31,7 +31,7 @@ async def test_every_consumer_reads_the_same_snapshot() -> None:
         last = agent.bus.latest
         assert last is not None
         await eventually(lambda: agent.renderer.seq == last.seq)
-        text = agent.renderer.current().text.decode()
+        text = (await agent.renderer.rendered()).text.decode()
         status = agent.page.status()
         for gpu in last.inventory.gpus:
             assert f'UUID="{gpu.uuid}"' in text or f'uuid="{gpu.uuid}"' in text

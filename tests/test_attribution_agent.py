@@ -24,7 +24,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekubelet import FakeKubelet, KubeletPod, pod
 from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.kubelet import KubeletServer
@@ -53,9 +53,9 @@ def polls(agent: Agent) -> float:
     return sample or 0
 
 
-def rendered_with_pods(agent: Agent) -> bool:
-    """/gpu/metrics has been rendered with at least one holder (renders run in a thread)."""
-    return b"gpuid_gpu_allocation_info{" in agent.renderer.current().text
+async def rendered_with_pods(agent: Agent) -> bool:
+    """/gpu/metrics serves at least one holder."""
+    return await serves(agent, b"gpuid_gpu_allocation_info{")
 
 
 async def scrape(agent: Agent, path: str = "/gpu/metrics") -> dict[str, Any]:
@@ -252,7 +252,8 @@ async def test_unknown_and_malformed_ids_are_counted_not_fatal(
     ]
     real_kubelet.publish()
     async with running_agent(make_agent(fake_nvml, real_kubelet)) as agent:
-        await eventually(lambda: agent.attributor.current.unmapped and rendered_with_pods(agent))
+        await eventually(lambda: agent.attributor.current.unmapped)
+        await eventually(lambda: rendered_with_pods(agent))
         families = await scrape(agent)
         own = await scrape(agent, "/metrics")
         async with (

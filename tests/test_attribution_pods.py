@@ -37,7 +37,7 @@ from gpuid_agent.sources.kube.client import KubeClient, create_kube_client, requ
 from gpuid_agent.sources.kube.pods import PodCache
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import (
@@ -356,7 +356,7 @@ async def test_agent_labels_and_trail_carry_the_workload(
     async with running_agent(agent), aiohttp.ClientSession() as http:
         await eventually(lambda: out.getvalue().count(b'"kind":"allocation"') >= 3)
         url = f"http://127.0.0.1:{agent.bound_port}/gpu/metrics"
-        await eventually(lambda: b'workload_name="web"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'workload_name="web"'))
         # the watch is counted once its answer starts, which may follow the first attribution
         await eventually(lambda: api_requests(agent, "watch", "pods", "200") == 1)
         before = pod_requests(agent)

@@ -22,7 +22,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.pods import ClaimDevice, KubeletClaim, KubeletPod, claim_pod
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekube import objects
 from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import AgentIdentity
@@ -159,9 +159,7 @@ async def test_dra_through_resourceslices_with_a_mig_device_appearing(
         metrics_naming=naming,
     )
     async with running_agent(agent):
-        await eventually(
-            lambda: b'claim_name="big-mig"' in agent.renderer.current().text, within=20
-        )
+        await eventually(lambda: serves(agent, b'claim_name="big-mig"'), within=20)
         text = await get(agent, "/gpu/metrics")
         gpu0, gpu1, gpu2 = (g.uuid for g in config.gpus)
         assert claim_rows(text) == {
@@ -217,9 +215,7 @@ async def test_dra_through_resourceslices_with_a_mig_device_appearing(
         real_kubelet.publish()
         created["spec"]["devices"].append(objects.gpu_device(MIG_NAME, new_uuid, parent_uuid=gpu0))
         dra_node.republish(created)
-        await eventually(
-            lambda: b'claim_name="small-mig"' in agent.renderer.current().text, within=20
-        )
+        await eventually(lambda: serves(agent, b'claim_name="small-mig"'), within=20)
         text = await get(agent, "/gpu/metrics")
         assert ("small", "13", "small-mig", MIG_NAME, "dra") in claim_rows(text)
         await eventually(lambda: out.getvalue().count(b'"claim_name":"small-mig"') >= 1)
@@ -243,7 +239,7 @@ async def test_without_the_api_full_gpus_are_attributed_as_fallback(
     out = io.BytesIO()
     agent = make_agent(fake_nvml, real_kubelet, out)  # KUBE_API=off
     async with running_agent(agent):
-        await eventually(lambda: b"gpuid_gpu_claim_info{" in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b"gpuid_gpu_claim_info{"))
         text = await get(agent, "/gpu/metrics")
         assert claim_rows(text) == {
             ("train-0", "", "train-gpu", "gpu-1", "dra-fallback"),

@@ -14,7 +14,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.dra import dra_pods, dra_slices
 from gpuid_agent.simulate.profiles import dra_h100
 from gpuid_agent.sources.kubelet import parse_dra_device
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekube.resources import validate_resource_slice
 from tests.waiting import eventually
 
@@ -25,7 +25,7 @@ async def test_simulated_dra_node_attributes_claims() -> None:
         settings(simulate="dra", pod_resources_interval=0.05), exporters=[StdoutExporter(out)]
     )
     async with running_agent(agent), aiohttp.ClientSession() as http:
-        await eventually(lambda: b"gpuid_gpu_claim_info{" in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b"gpuid_gpu_claim_info{"))
         base = f"http://127.0.0.1:{agent.bound_port}"
         async with http.get(f"{base}/gpu/metrics") as resp:
             text = await resp.text()

@@ -11,7 +11,7 @@ import io
 
 import orjson
 
-from tests.conftest import running_agent
+from tests.conftest import running_agent, serves
 from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.kubelet import KubeletServer
 from tests.test_dra_agent import (
@@ -45,7 +45,7 @@ async def test_the_source_moves_on_while_the_start_record_stays(
         assert {row[-1] for row in fallback} == {"dra-fallback"}
 
         dra_node.publish(node_slice(config, dra_node.node))
-        await eventually(lambda: b'claim_name="big-mig"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'claim_name="big-mig"'))
         text = await get(agent, "/gpu/metrics")
         assert claim_rows(text) == {
             ("train-0", "", "train-gpu", "gpu-1", "dra"),

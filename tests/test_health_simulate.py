@@ -17,7 +17,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
-from tests.conftest import node_health, running_agent, settings
+from tests.conftest import node_health, running_agent, serves, settings
 from tests.waiting import eventually
 
 AGENT = [sys.executable, "-m", "gpuid_agent"]
@@ -201,22 +201,25 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
         Agent(s, nvml_api=api, exporters=[StdoutExporter(io.BytesIO())])
     ) as agent:
         await eventually(lambda: agent.collector.health.xid.alive and node_health(agent).gpus)
-        await eventually(lambda: b"gpuid_gpu_health_state" in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b"gpuid_gpu_health_state"))
         api.inject_xid(3, 48)
         await eventually(lambda: node_health(agent).gpus[3].last_xid == 48)
 
-        def rendered() -> dict[str, Any]:
-            text = agent.renderer.current().text.decode()
+        async def rendered() -> dict[str, Any]:
+            text = (await agent.renderer.rendered()).text.decode()
             return {f.name: f for f in text_string_to_metric_families(text)}
 
-        def last_xid() -> dict[str, float]:
-            samples = rendered()["DCGM_FI_DEV_XID_ERRORS"].samples
+        def last_xid(families: dict[str, Any]) -> dict[str, float]:
+            samples = families["DCGM_FI_DEV_XID_ERRORS"].samples
             return {s.labels["gpu"]: s.value for s in samples}
 
-        # the page follows the XID's snapshot once its render (off the loop) is installed
-        await eventually(lambda: last_xid().get("3") == 48)
-        families = rendered()
-        assert last_xid()["0"] == 0
+        async def xid_48_on_gpu_3() -> dict[str, Any] | None:
+            families = await rendered()
+            return families if last_xid(families).get("3") == 48 else None
+
+        # the page follows the XID's snapshot
+        families = await eventually(xid_48_on_gpu_3)
+        assert last_xid(families)["0"] == 0
         states = families["gpuid_gpu_health_state"].samples
         # gpuid_* families keep snake_case labels; DCGM_* ones dcgm-exporter's
         assert all("uuid" in s.labels and "model_name" in s.labels for s in states)

@@ -22,7 +22,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.metrics import DEPRECATED_ALIASES
 from gpuid_agent.serving.metrics_fields import FIELDS
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.servers import prometheus
 from tests.waiting import eventually
 
@@ -50,7 +50,7 @@ async def scraping(**overrides: Any) -> AsyncIterator[Any]:
                 return resp.headers["Content-Type"], await resp.text()
 
         # the first page with the kubelet's holders (its first poll may come after a render)
-        await eventually(lambda: b"gpuid_gpu_allocation_info{" in running.renderer.current().text)
+        await eventually(lambda: serves(running, b"gpuid_gpu_allocation_info{"))
         yield get
 
 

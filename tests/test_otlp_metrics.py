@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import free_port, running_agent, settings
+from tests.conftest import free_port, running_agent, serves, settings
 from tests.servers.otlp import Answer, OtlpReceiver, Point
 from tests.waiting import eventually
 
@@ -58,7 +58,7 @@ def agent_for(endpoint: str, **kw: Any) -> Agent:
 async def test_pushed_metrics_are_the_gpu_metrics_series(otlp_receiver: OtlpReceiver) -> None:
     agent = agent_for(otlp_receiver.base_url)
     async with running_agent(agent):
-        await eventually(lambda: b"gpuid_gpu_allocation_info{" in agent.renderer.text())
+        await eventually(lambda: serves(agent, b"gpuid_gpu_allocation_info{"))
         seq = agent.renderer.seq
         # a push made after that render has the holders too
         await eventually(

@@ -29,7 +29,7 @@ from gpuid_agent.sources.kube.client import create_kube_client
 from gpuid_agent.sources.kube.pods import PodCache
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekube import FakeKube, objects, write_kubeconfig
 from tests.fakekubelet import pod
 from tests.fakenvml import FakeProcess, FakeProcessUtil
@@ -165,7 +165,7 @@ async def test_time_sliced_gpu_shares_add_up_and_unattributed_is_explicit(
         s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
     async with running_agent(agent):
-        await eventually(lambda: b'pod="serve"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'pod="serve"'))
         text = await scrape(agent, "/gpu/metrics")
         holders = {
             (
@@ -223,7 +223,7 @@ async def test_time_sliced_gpu_shares_add_up_and_unattributed_is_explicit(
         assert usage[uuids[2]]["state"] == "unowned_busy"
 
         proc.remove(200)  # serve's process exited; NVML still lists it this pass
-        await eventually(lambda: b'reason="pid_gone"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'reason="pid_gone"'))
         text = await scrape(agent, "/gpu/metrics")
         gone = samples(text, "gpuid_gpu_unattributed_processes")
         assert {(x.labels["reason"], x.value) for x in gone if x.labels["uuid"] == uuids[0]} >= {
@@ -265,7 +265,7 @@ async def test_off_makes_no_process_call_and_reads_no_proc(
         s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
     async with running_agent(agent):
-        await eventually(lambda: b'pod="idle"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'pod="idle"'))
         seq = agent.bus.latest.seq if agent.bus.latest else 0
         await eventually(lambda: agent.bus.latest and agent.bus.latest.seq > seq + 20)
         assert agent.collector.stalled() is None
@@ -308,7 +308,7 @@ async def test_mig_devices_get_their_own_shares_and_states(
         s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
     async with running_agent(agent):
-        await eventually(lambda: b'allocated="true"' in agent.renderer.current().text)
+        await eventually(lambda: serves(agent, b'allocated="true"'))
         text = await scrape(agent, "/gpu/metrics")
     states = {
         x.labels["gpu_instance_id"]: x.labels["state"]

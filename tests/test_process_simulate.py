@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.waiting import eventually
 
 
@@ -32,9 +32,8 @@ async def test_timesliced_profile_shows_shares_and_unattributed() -> None:
         # processes can be attributed (through the pods' UIDs) before the kubelet's first List
         # says who holds what: wait for both
         await eventually(
-            lambda: all(
-                part in agent.renderer.current().text
-                for part in (b'pod="stray-job"', b'allocated="true"', b"gpuid_gpu_allocation_info{")
+            lambda: serves(
+                agent, b'pod="stray-job"', b'allocated="true"', b"gpuid_gpu_allocation_info{"
             )
         )
         async with (

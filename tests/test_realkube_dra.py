@@ -16,7 +16,7 @@ from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.simulate.pods import ClaimDevice, KubeletClaim, claim_pod
 from gpuid_agent.sources.nvml.pynvml_api import PynvmlApi
 from tests import fakenvml
-from tests.conftest import running_agent, settings
+from tests.conftest import running_agent, serves, settings
 from tests.fakekube import objects
 from tests.fakenvml.fixtures import FakeNvml
 from tests.realkube.chart import AgentIdentity
@@ -114,9 +114,7 @@ async def test_claims_attributed_through_real_resourceslices(
         s, nvml_api=PynvmlApi(str(fake_nvml.lib_path)), exporters=[StdoutExporter(io.BytesIO())]
     )
     async with running_agent(agent):
-        await eventually(
-            lambda: b'claim_name="big-mig"' in agent.renderer.current().text, within=30
-        )
+        await eventually(lambda: serves(agent, b'claim_name="big-mig"'), within=30)
         text = await get(agent, "/gpu/metrics")
         assert claim_rows(text) == {
             ("train-0", "", "train-gpu", "gpu-1", "dra"),

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from gpuid_agent import __version__
 
 _EXPORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RENDER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Every label value the agent can give these counters. Their series exist at 0 from the
 # start: `increase()` cannot see the first event of a series that appears with it, so an
@@ -54,6 +55,16 @@ class AgentMetrics:
         self.collection_duration = Histogram(
             "gpuid_collection_duration_seconds", "Duration of one NVML collection.", registry=r
         )
+        self.render_duration = Histogram(
+            "gpuid_gpu_metrics_render_duration_seconds",
+            "Duration of one /gpu/metrics render, by format (text, openmetrics); a snapshot "
+            "is rendered when scraped or just before a scrape is due, never otherwise.",
+            ["format"],
+            buckets=_RENDER_BUCKETS,
+            registry=r,
+        )
+        for fmt in ("text", "openmetrics"):
+            self.render_duration.labels(fmt)
         self.collection_errors = Counter(
             "gpuid_collection_errors_total", "Failed NVML reads by reason.", ["reason"], registry=r
         )

@@ -2,8 +2,9 @@
 
 Handlers only read state the background tasks already prepared; none of them does NVML,
 kubelet or API work, so a scrape storm cannot slow collection down or the other way round.
-The one await is the OpenMetrics body, made in a worker thread on its first request per
-snapshot (and shared by the scrapes that arrive meanwhile).
+The one await is the /gpu/metrics body, made from the latest snapshot in a worker thread on
+its first request in that format (or ahead of an expected scrape), and shared by the scrapes
+that arrive meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from gpuid_agent.serving.gpu_metrics import Format
+
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,13 +31,13 @@ class HealthView(Protocol):
 
 
 class MetricsView(Protocol):
-    """The /gpu/metrics bodies: the text format is always ready; OpenMetrics is made on
-    the first request for a snapshot (off the loop) and awaited by the scrapes that want it."""
+    """The /gpu/metrics bodies of the latest snapshot, each made on the first request in its
+    format (off the loop) and awaited by the scrapes that want it; `scraper` is the client's
+    address."""
 
     @property
     def openmetrics_offered(self) -> bool: ...
-    def text(self) -> bytes: ...
-    async def openmetrics(self) -> bytes: ...
+    async def body(self, fmt: Format, scraper: str | None) -> bytes: ...
 
 
 def _wants_openmetrics(request: web.Request) -> bool:
@@ -57,9 +60,10 @@ def build_app(
 ) -> web.Application:
     async def gpu_metrics(request: web.Request) -> web.Response:
         if renderer.openmetrics_offered and _wants_openmetrics(request):
-            body = await renderer.openmetrics()
+            body = await renderer.body("openmetrics", request.remote)
             return web.Response(body=body, headers={"Content-Type": OPENMETRICS})
-        return web.Response(body=renderer.text(), headers={"Content-Type": TEXT})
+        body = await renderer.body("text", request.remote)
+        return web.Response(body=body, headers={"Content-Type": TEXT})
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
