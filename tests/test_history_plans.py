@@ -86,7 +86,7 @@ LATE = FLEET.end - timedelta(hours=6)  # the usage records of the last days are 
         ("serial events", "idx_gpu_events_gpu"),
         ("replaced serial events", "idx_gpu_events_old_serial"),
         ("node events", "idx_gpu_events_node_kind_time"),
-        ("usage", "gpu_events_usage_pkey"),
+        ("usage", "idx_gpu_events_usage_totals"),
     ],
 )
 def test_each_statement_reads_its_index(

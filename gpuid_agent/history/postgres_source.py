@@ -189,25 +189,28 @@ class PostgresSource:
     def usage_query(
         self, since: datetime, until: datetime, cluster: str | None
     ) -> tuple[str, list[Any]]:
-        """The rollup's rows of the days in range (its primary key, by day): whole days'
-        totals, and the hours of a day at either end."""
-        hours = ", ".join(
-            f"""sum(CASE WHEN day > $1 AND day < $3 THEN {total}
-                    ELSE (SELECT COALESCE(sum(x), 0) FROM unnest({hourly}[
-                        (CASE WHEN day = $1 THEN $2 + 1 ELSE 1 END):
-                        (CASE WHEN day = $3 THEN $4 ELSE 24 END)]) AS x) END)"""
-            for total, hourly in (
-                ("gpu_seconds", "hourly_gpu_seconds"),
-                ("energy_joules", "hourly_energy_joules"),
-            )
-        )
+        """The rollup through `idx_<rollup>_totals`: the whole days between the ends from the
+        index alone (one narrow entry per node, day and workload), the hours of the day at
+        either end from their rows' hourly arrays."""
         args: list[Any] = [since.date(), since.hour, until.date(), until.hour]
-        sql = (
-            f"SELECT namespace, workload_kind, workload_name, {hours} FROM {self.rollup} "
-            "WHERE day >= $1 AND day <= $3"
+        where = self._filters(Where(cluster=cluster), args)
+        hours = ", ".join(
+            f"""(SELECT COALESCE(sum(x), 0) FROM unnest({hourly}[
+                    (CASE WHEN day = $1 THEN $2 + 1 ELSE 1 END):
+                    (CASE WHEN day = $3 THEN $4 ELSE 24 END)]) AS x)"""
+            for hourly in ("hourly_gpu_seconds", "hourly_energy_joules")
         )
-        sql += self._filters(Where(cluster=cluster), args)
-        return sql + " GROUP BY 1, 2, 3 ORDER BY 1, 2, 3", args
+        sql = f"""
+            SELECT namespace, workload_kind, workload_name, sum(gs), sum(ej) FROM (
+                SELECT namespace, workload_kind, workload_name, gpu_seconds AS gs,
+                       energy_joules AS ej
+                FROM {self.rollup} WHERE day > $1 AND day < $3{where}
+                UNION ALL
+                SELECT namespace, workload_kind, workload_name, {hours}
+                FROM {self.rollup} WHERE (day = $1 OR day = $3){where}
+            ) AS used
+            GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"""
+        return sql, args
 
     # ---- the Source protocol -------------------------------------------------------------
 

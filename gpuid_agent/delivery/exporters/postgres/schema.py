@@ -153,11 +153,11 @@ def migration(tables: Tables) -> list[str]:
         # (node) alone: what `_node_kind_time` (below) now serves; a database that has it
         # keeps it
     ]
-    statements += [
+    statements += usage_rollup.migration(e)
+    return statements + [
         f"CREATE INDEX IF NOT EXISTS {name} ON {table} {how}"
         for name, (table, how) in history_indexes(tables).items()
     ]
-    return statements + usage_rollup.migration(e)
 
 
 def history_indexes(tables: Tables) -> dict[str, tuple[str, str]]:
@@ -165,6 +165,7 @@ def history_indexes(tables: Tables) -> dict[str, tuple[str, str]]:
     and what each covers. Added to existing tables by the migration; a large table may have
     them built beforehand with CREATE INDEX CONCURRENTLY under the same names."""
     r, a, e = tables.readings, tables.allocations, tables.events
+    rollup = usage_rollup.rollup_table(e)
     return {
         _index(r, "node_time"): (r, "(node, read_time)"),
         _index(a, "node_started"): (a, "(node, started_at)"),
@@ -172,6 +173,12 @@ def history_indexes(tables: Tables) -> dict[str, tuple[str, str]]:
         _index(e, "node_kind_time"): (e, "(node, kind, observed_at)"),
         _index(e, "gpu"): (e, "((payload->>'gpu')) WHERE kind IN ('health', 'hardware')"),
         _index(e, "old_serial"): (e, "((payload->>'old_serial')) WHERE kind = 'hardware'"),
+        # whole days' totals read from the index alone, not from rows that carry hourly arrays
+        _index(rollup, "totals"): (
+            rollup,
+            "(day, cluster) INCLUDE (namespace, workload_kind, workload_name, gpu_seconds, "
+            "energy_joules)",
+        ),
     }
 
 
