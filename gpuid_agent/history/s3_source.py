@@ -43,6 +43,8 @@ FETCHERS = 16
 _LONG_VALUE = 240  # a partition value the exporter may have cut in the key
 _CSV_HEADER = ",".join(CSV_COLUMNS[:3]).encode()
 _TEXT = "VARCHAR"
+# each record once: a re-send has the same record_id; a row without one is its own
+_ONCE = "coalesce(record_id, uuid()::VARCHAR)"
 _JSON_COLUMNS: dict[str, dict[str, str]] = {
     "reading": {
         c: _TEXT for c in (*CSV_COLUMNS, "read_time") if c not in ("time", "index", "module_id")
@@ -291,7 +293,7 @@ class S3Source:
         condition = condition.replace("{r}", relation)
         if where.cluster is not None:
             condition += " AND cluster = ?"
-        sql = f"SELECT DISTINCT ON (record_id) * FROM {relation} WHERE {condition}"
+        sql = f"SELECT DISTINCT ON ({_ONCE}) * FROM {relation} WHERE {condition}"
         cluster = [where.cluster] if where.cluster is not None else []
         return self._rows(sql, [*files, *(files * inner), *params, *cluster])
 
@@ -358,7 +360,7 @@ class S3Source:
             SELECT coalesce(namespace, ''), coalesce(workload_kind, ''),
                    coalesce(workload_name, ''), sum(coalesce(gpu_seconds, 0)),
                    sum(coalesce(energy_joules, 0))
-            FROM (SELECT DISTINCT ON (record_id) * FROM {relation} WHERE event = 'usage')
+            FROM (SELECT DISTINCT ON ({_ONCE}) * FROM {relation} WHERE event = 'usage')
             WHERE TRY_CAST(usage_start AS TIMESTAMPTZ) >= ?
               AND TRY_CAST(usage_start AS TIMESTAMPTZ) < ?"""
         if cluster is not None:
