@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -245,7 +247,7 @@ def _vs(value: float, floor: float, goal: str) -> str:
 
 def _cpu_row(name: str, cpu: float, idle: float, elapsed: float, threads: str) -> Row:
     note = (
-        f"idle loop {idle:.3f} % over {elapsed:.0f} s; goal <= 0.3 % at 10 s; by thread: {threads}"
+        f"idle loop {idle:.3f} % over {elapsed:.0f} s; goal <= 0.12 % at 10 s; by thread: {threads}"
     )
     return Row("footprint", name, cpu, "% of a core", note)
 
@@ -375,25 +377,33 @@ def kubelet_client_rows(socket: str) -> list[Row]:
     return [Row("footprint", name, value, "% of a core", note) for name, value in used.items()]
 
 
+@asynccontextmanager
+async def chart_node(tmp: str) -> AsyncIterator[tuple[dict[str, str], str]]:
+    """The simulated node's own pods, served from a process of its own as on a real node, and an
+    API server that knows the node: the settings of an agent at the chart's defaults there,
+    and the kubelet's socket."""
+    socket = str(Path(tmp) / "kubelet.sock")
+    kubelet = _start_kubelet(socket, 0)
+    try:
+        async with FakeKube() as kube:
+            kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE})
+            api = {"KUBECONFIG": str(write_kubeconfig(Path(tmp) / "kc", kube.url))}
+            api |= {"KUBE_API": "auto", "LABELS": "on", "POD_RESOURCES_SOCKET": socket}
+            os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+            yield api, socket
+    finally:
+        kubelet.terminate()
+        kubelet.wait(10)
+
+
 async def run() -> list[Row]:
     rows = client_options()
     with tempfile.TemporaryDirectory() as tmp:
-        # the simulated node's own pods, served from a process of its own as on a real node
-        socket = str(Path(tmp) / "kubelet.sock")
-        kubelet = _start_kubelet(socket, 0)
-        try:
-            async with FakeKube() as kube:
-                kube.add_node(NODE, labels={"kubernetes.io/hostname": NODE})
-                api = {"KUBECONFIG": str(write_kubeconfig(Path(tmp) / "kc", kube.url))}
-                api |= {"KUBE_API": "auto", "LABELS": "on", "POD_RESOURCES_SOCKET": socket}
-                os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-                rows += await _soak(api, "chart defaults", "<= 100 MiB", "<= 110 MiB after 1 h")
-                off = {"KUBE_API": "off", "POD_RESOURCES_SOCKET": socket}
-                rows += await _soak(off, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
-                rows.append(await _cpu_at_1s(api))
+        async with chart_node(tmp) as (api, socket):
+            rows += await _soak(api, "chart defaults", "<= 100 MiB", "<= 110 MiB after 1 h")
+            off = {"KUBE_API": "off", "POD_RESOURCES_SOCKET": socket}
+            rows += await _soak(off, "KUBE_API=off", "<= 72 MiB", "<= 72 MiB")
+            rows.append(await _cpu_at_1s(api))
             rows += kubelet_client_rows(socket)
-        finally:
-            kubelet.terminate()
-            kubelet.wait(10)
     rows += await healthz_rows()
     return rows
