@@ -24,14 +24,14 @@ from typing import Any
 import asyncpg
 
 from benchmarks.common import Row
-from gpuid_agent.delivery.exporters.postgres.schema import Tables, migration
+from gpuid_agent.delivery.exporters.postgres.schema import Tables
 from gpuid_agent.history import questions
 from gpuid_agent.history.answers import Answer
 from gpuid_agent.history.command import SETTINGS
 from gpuid_agent.history.postgres_source import PostgresSource
 from gpuid_agent.history.render_html import to_html
 from gpuid_agent.runtime.config_load import load_settings
-from tests.history_fleet import RACK, START, Fleet, generate, node_name
+from tests.history_fleet import RACK, START, Fleet, create, node_name
 from tests.servers.postgres import PostgresCluster
 
 DAYS = 30
@@ -46,15 +46,12 @@ def _nodes() -> int:
 
 
 async def _build(cluster: PostgresCluster, tables: Tables, fleet: Fleet) -> list[Row]:
+    started = time.perf_counter()
+    await create(cluster, tables, fleet)
+    took = time.perf_counter() - started
     kwargs: Any = cluster.connect_kwargs()
-    conn = await asyncpg.connect(**kwargs, command_timeout=None)
+    conn = await asyncpg.connect(**kwargs)
     try:
-        async with conn.transaction():
-            for statement in migration(tables):
-                await conn.execute(statement)
-        started = time.perf_counter()
-        await generate(conn, tables, fleet, raw_usage_days=2)
-        took = time.perf_counter() - started
         rows = [Row(GROUP, "data set generated", took, "s", f"{fleet.nodes:,} nodes x {DAYS} d")]
         for table in (tables.readings, tables.allocations, tables.events, tables.events + "_usage"):
             count = await conn.fetchval(f"SELECT count(*) FROM {table}")

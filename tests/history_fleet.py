@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import asyncpg
 
 from gpuid_agent.delivery.exporters.postgres import usage_rollup
-from gpuid_agent.delivery.exporters.postgres.schema import Tables
+from gpuid_agent.delivery.exporters.postgres.schema import Tables, migration
+from tests.servers.postgres import PostgresCluster
 
 START = datetime(2025, 3, 1, tzinfo=UTC)
 GPUS = 4
@@ -259,3 +261,16 @@ async def generate(
     await conn.execute(_bound(_marks(tables), fleet))
     for table in (tables.readings, tables.allocations, tables.events):
         await conn.execute(f"VACUUM ANALYZE {table}")
+
+
+async def create(cluster: PostgresCluster, tables: Tables, fleet: Fleet) -> None:
+    """The exporter's tables (its own migration) in `cluster`, holding the fleet's records."""
+    kwargs: Any = cluster.connect_kwargs()
+    conn = await asyncpg.connect(**kwargs, command_timeout=None)
+    try:
+        async with conn.transaction():
+            for statement in migration(tables):
+                await conn.execute(statement)
+        await generate(conn, tables, fleet, raw_usage_days=2)
+    finally:
+        await conn.close()

@@ -18,8 +18,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from gpuid_agent.delivery.exporters.postgres.schema import Tables, migration
-from tests.history_fleet import RACK, START, Fleet, generate, node_name
+from gpuid_agent.delivery.exporters.postgres.schema import Tables
+from tests.history_fleet import RACK, START, Fleet, create, node_name
 from tests.servers import chromium
 from tests.servers.postgres import PostgresCluster
 
@@ -43,13 +43,10 @@ def rack(postgres_server: PostgresCluster) -> dict[str, Any]:
     tables = Tables.named(f"{schema}.gpu_readings", "gpu_allocations", "gpu_events")
 
     async def build() -> dict[str, Any]:
+        await create(postgres_server, tables, FLEET)
         kwargs: Any = postgres_server.connect_kwargs()
         conn = await asyncpg.connect(**kwargs)
         try:
-            async with conn.transaction():
-                for statement in migration(tables):
-                    await conn.execute(statement)
-            await generate(conn, tables, FLEET, raw_usage_days=2)
             gpus = await conn.fetchval(
                 f"SELECT count(DISTINCT (node, gpu)) FROM {tables.readings} WHERE node = ANY($1)",
                 NODES,

@@ -15,12 +15,12 @@ from typing import Any
 import asyncpg
 import pytest
 
-from gpuid_agent.delivery.exporters.postgres.schema import Tables, migration
+from gpuid_agent.delivery.exporters.postgres.schema import Tables
 from gpuid_agent.history.command import SETTINGS
 from gpuid_agent.history.postgres_source import PostgresSource
 from gpuid_agent.history.source import Where
 from gpuid_agent.runtime.config_load import load_settings
-from tests.history_fleet import START, Fleet, generate, node_name
+from tests.history_fleet import START, Fleet, create, node_name
 from tests.servers.postgres import PostgresCluster
 
 FLEET = Fleet(nodes=60, days=8)
@@ -31,18 +31,7 @@ def fleet_source(postgres_server: PostgresCluster) -> Iterator[PostgresSource]:
     schema = f"p_{uuid.uuid4().hex[:12]}"
     tables = Tables.named(f"{schema}.gpu_readings", "gpu_allocations", "gpu_events")
 
-    async def build() -> None:
-        kwargs: Any = postgres_server.connect_kwargs()
-        conn = await asyncpg.connect(**kwargs)
-        try:
-            async with conn.transaction():
-                for statement in migration(tables):
-                    await conn.execute(statement)
-            await generate(conn, tables, FLEET, raw_usage_days=2)
-        finally:
-            await conn.close()
-
-    asyncio.run(build())
+    asyncio.run(create(postgres_server, tables, FLEET))
     env = {k.lower(): v for k, v in postgres_server.env().items()}
     source = PostgresSource(load_settings(env | {"postgres_table": tables.readings}, SETTINGS))
     try:
