@@ -287,7 +287,7 @@ class SimulatedNvml:
 
     def pcie_link_gen(self, handle: Any) -> int:
         gpu = self._gpu(handle)
-        if self._load(gpu) < 0.1:
+        if self._load(gpu) < 0.05:  # idle (well under the 10 % the health check calls busy)
             return 1  # an idle link drops its generation to save power, as real ones do
         return 3 if self._fault(gpu, "pcie-gen") else 5
 
