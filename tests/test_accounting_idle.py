@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-import tempfile
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,15 +16,13 @@ from typing import Any
 import pytest
 
 from gpuid_agent.facts import GpuIdentity, GpuSample, NodeInventory
-from gpuid_agent.simulate.profiles import gb200x4
 from gpuid_agent.state.accounting import Accountant, AccountingConfig
 from gpuid_agent.state.accounting_split import idle_holding
 from gpuid_agent.state.attribution.holders import Attribution
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF
 from tests.agent_subprocess import start_agent
-from tests.fakekubelet import FakeKubelet, pod
 from tests.servers.receiver import Receiver
-from tests.test_accounting_sigkill import allocation_records, at
+from tests.test_accounting_sigkill import allocation_records, at, one_gpu_held
 from tests.waiting import eventually
 
 NODE = "sim-idle"
@@ -35,33 +32,7 @@ POLL = 0.1
 async def test_usage_records_add_up_to_the_gpus_time_idle_included(
     receiver: Receiver, subprocess_env: dict[str, str], tmp_path: Path
 ) -> None:
-    gpus = [g.uuid for g in gb200x4(NODE)]
-    socket_dir = Path(tempfile.mkdtemp(prefix="kubelet-", dir="/tmp"))
-    kubelet = FakeKubelet(
-        str(socket_dir / "kubelet.sock"), allocatable=(("nvidia.com/gpu", tuple(gpus)),)
-    )
-    await kubelet.start()
-    kubelet.pods = [pod("ml", "train-0", "main", "nvidia.com/gpu", gpus[0])]
-    env = {
-        **subprocess_env,
-        "EXPORTER_TYPE": "http",
-        "HTTP_ENDPOINT": receiver.url,
-        "SPOOL_DIR": str(tmp_path / "spool"),
-        "STATE_DIR": str(tmp_path / "state"),
-        "POD_RESOURCES_SOCKET": kubelet.socket_path,
-        "SIMULATE": "gb200x4",
-        "POD_RESOURCES_INTERVAL": str(POLL),
-        "COLLECT_INTERVAL": str(POLL),
-        "ACCOUNTING_INTERVAL": "1s",
-        "KUBE_API": "off",
-        "LABELS": "off",
-        "NODE_NAME": NODE,
-        "CLUSTER_NAME": "test",
-        "SERVER_ADDRESS": "127.0.0.1",
-        "SERVER_PORT": "0",
-        "FLUSH_INTERVAL": "0.2",
-        "LOG_LEVEL": "warning",
-    }
+    gpus, kubelet, env = await one_gpu_held(receiver, subprocess_env, tmp_path, NODE)
     log = tmp_path / "agent.log"
 
     def usage() -> list[dict[str, Any]]:

@@ -39,10 +39,13 @@ def at(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-async def test_usage_survives_sigkill_mid_allocation(
-    receiver: Receiver, subprocess_env: dict[str, str], tmp_path: Path
-) -> None:
-    gpus = [g.uuid for g in gb200x4(NODE)]
+async def one_gpu_held(
+    receiver: Receiver, subprocess_env: dict[str, str], tmp_path: Path, node: str
+) -> tuple[list[str], FakeKubelet, dict[str, str]]:
+    """The simulated GB200 node's GPUs, a started kubelet where ml/train-0 holds the first,
+    and the environment of an agent (STATE_DIR, SPOOL_DIR, 1 s accounting periods) sending
+    to `receiver`."""
+    gpus = [g.uuid for g in gb200x4(node)]
     socket_dir = Path(tempfile.mkdtemp(prefix="kubelet-", dir="/tmp"))
     kubelet = FakeKubelet(
         str(socket_dir / "kubelet.sock"), allocatable=(("nvidia.com/gpu", tuple(gpus)),)
@@ -61,13 +64,20 @@ async def test_usage_survives_sigkill_mid_allocation(
         "ACCOUNTING_INTERVAL": "1s",
         "KUBE_API": "off",
         "LABELS": "off",
-        "NODE_NAME": NODE,
+        "NODE_NAME": node,
         "CLUSTER_NAME": "test",
         "SERVER_ADDRESS": "127.0.0.1",
         "SERVER_PORT": "0",
         "FLUSH_INTERVAL": "0.2",
         "LOG_LEVEL": "warning",
     }
+    return gpus, kubelet, env
+
+
+async def test_usage_survives_sigkill_mid_allocation(
+    receiver: Receiver, subprocess_env: dict[str, str], tmp_path: Path
+) -> None:
+    _, kubelet, env = await one_gpu_held(receiver, subprocess_env, tmp_path, NODE)
     log = tmp_path / "agent.log"
 
     def usage() -> list[dict[str, Any]]:

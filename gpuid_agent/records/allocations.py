@@ -31,7 +31,7 @@ from gpuid_agent.records.types import AllocationRecord, AnyRecord, header
 from gpuid_agent.records.usage import UsageLedger
 from gpuid_agent.runtime import log
 from gpuid_agent.state.allocation_trail import Ended, OpenAllocations, Started
-from gpuid_agent.state.attribution import Allocation, Attribution
+from gpuid_agent.state.attribution import Allocation, Attribution, Holder
 from gpuid_agent.state.snapshot import NodeSnapshot
 from gpuid_agent.state.state_file import StateDir, WireRecord
 
@@ -146,43 +146,13 @@ def idle_start(identity: TrailIdentity, gpu: GpuIdentity, inventory: NodeInvento
     """The never-published start of a GPU's idle "allocation": nobody's (`namespace` and `pod`
     empty), its usage records carry the GPU's unheld time and energy per period, so that a
     node's usage records add up to its GPUs' time and energy counters."""
-    alloc_id = _digest("idle", identity.cluster, identity.node, gpu.uuid)
-    at = rfc3339(inventory.read_time)
-    return to_wire(
-        AllocationRecord(
-            kind="allocation",
-            record_id=allocation_record_id(alloc_id, "start"),
-            event="start",
-            **header(
-                inventory,
-                gpu,
-                source=identity.source,
-                read_time=at,
-                cluster=identity.cluster,
-                node=identity.node,
-            ),
-            allocation_id=alloc_id,
-            serial=gpu.serial,
-            uuid=gpu.uuid,
-            gpu_index=gpu.index,
-            mig_uuid=None,
-            mig_gpu_instance_id=None,
-            mig_profile=None,
-            namespace="",
-            pod="",
-            pod_uid=None,
-            container="",
-            resource_name="",
-            device_id=gpu.uuid,
-            replica=None,
-            workload_kind=None,
-            workload_name=None,
-            started_at=at,
-            start_observed=True,
-            ended_at=None,
-            end_observed=None,
-        )
+    nobody = Allocation(Holder("", "", ""), "", gpu.uuid, gpu.uuid)
+    start = start_record(
+        identity, Started(("", "", "", "", ""), nobody, True), inventory, inventory.read_time
     )
+    alloc_id = _digest("idle", identity.cluster, identity.node, gpu.uuid)
+    record_id = allocation_record_id(alloc_id, "start")
+    return to_wire(replace(start, allocation_id=alloc_id, record_id=record_id))
 
 
 class AllocationTrail(Emitter):
