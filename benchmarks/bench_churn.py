@@ -153,31 +153,26 @@ async def churn(pods: int) -> list[Row]:
             for _ in range(LIFE):
                 snap = await node.collect(holders)
             if started % REPORT_EVERY < GPUS or started >= pods:
-                gc.collect()
-                page, series = node.page(snap)
-                accounting, allocations = node.files()
-                note = (
-                    f"{series} workload series; accounting.json {accounting / 1024:.0f} KiB, "
-                    f"allocations.json {allocations / 1024:.0f} KiB"
-                )
-                rows += [
-                    Row(group, f"{started:,} pods: RSS", _rss_mib() - rss0, "MiB", "over before"),
-                    Row(group, f"{started:,} pods: /gpu/metrics", page / 1024, "KiB", note),
-                ]
+                rows += _figures(node, snap, f"{started:,} pods", rss0)
         for _ in range(int(RETENTION / STEP) + 2):  # the retention passes, the GPUs idle
             snap = await node.collect(idle)
-        gc.collect()
-        page, series = node.page(snap)
-        accounting, allocations = node.files()
-        note = (
-            f"{series} workload series; accounting.json {accounting / 1024:.0f} KiB, "
-            f"allocations.json {allocations / 1024:.0f} KiB; {node.sent:,} records sent"
-        )
-        rows += [
-            Row(group, "after the retention: RSS", _rss_mib() - rss0, "MiB", "over before"),
-            Row(group, "after the retention: /gpu/metrics", page / 1024, "KiB", note),
-        ]
+        rows += _figures(node, snap, "after the retention", rss0, f"; {node.sent:,} records sent")
     return rows
+
+
+def _figures(node: Node, snap: NodeSnapshot, label: str, rss0: float, more: str = "") -> list[Row]:
+    """RSS over `rss0`, the page, its workload series and the state files, at this point."""
+    gc.collect()
+    page, series = node.page(snap)
+    accounting, allocations = node.files()
+    note = (
+        f"{series} workload series; accounting.json {accounting / 1024:.0f} KiB, "
+        f"allocations.json {allocations / 1024:.0f} KiB{more}"
+    )
+    return [
+        Row("churn", f"{label}: RSS", _rss_mib() - rss0, "MiB", "over before"),
+        Row("churn", f"{label}: /gpu/metrics", page / 1024, "KiB", note),
+    ]
 
 
 async def run() -> list[Row]:
