@@ -305,6 +305,10 @@ async def test_drift_is_repaired_on_resync(harness: Harness, node: RealNode) -> 
     node.set(labels={f"{P}/chassis": None, f"{P}/gpu-0": "tampered"})
     assert node.labels() != want
     await eventually(lambda: node.labels() == want)
+    # the patch is counted once its answer is read, a moment after the server applied it
+    await eventually(lambda: harness.requests("patch") >= 2)
+    reads = harness.requests("get")
+    await eventually(lambda: harness.requests("get") > reads)  # another resync: nothing more
     assert harness.requests("patch") == 2
 
 
