@@ -237,7 +237,7 @@ class Agent:
             spawn("node-events", events.run())
             spawn("events-feed", bus.subscribe("events", events=True).feed(events.offer))
             self.hardware.listeners.append(events.offer_replaced)
-        spawn("readiness", self.page.run())
+        spawn("readiness", self.page.run(bus.subscribe("readiness")))
         spawn("collector", self.collector.run())
         _log.info(
             "agent started",
@@ -258,6 +258,8 @@ class Agent:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        # The XID thread ends at the end of its current wait: let that wait run out meanwhile.
+        self.collector.health.xid.request_stop()
         sup = self.supervisor
         await sup.stop(
             "collector", "pod-resources", "pods", "resourceslices", "attribution", "readiness",

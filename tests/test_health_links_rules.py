@@ -149,3 +149,40 @@ def test_an_nvlink_down_raises_its_node_condition_naming_the_link() -> None:
     assert wanted["GpuNvlinkDown"].status == "True"
     assert wanted["GpuNvlinkDown"].message == "GPU 0 (GPU-0): NVLink 3 down"
     assert wanted["GpuPcieLinkDown"].status == "False"  # x8 is degraded: no condition
+
+
+class _RemembersNothing(dict[int, tuple[int | None, ...]]):
+    """A quiet-link memory that keeps nothing: every reading goes through the windows."""
+
+    def __setitem__(self, key: int, value: tuple[int | None, ...]) -> None:
+        return None
+
+
+_COUNTER = st.one_of(st.none(), st.integers(0, 6))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.5, 8.0),
+            st.lists(st.tuples(_COUNTER, _COUNTER, _COUNTER, _COUNTER), min_size=3, max_size=3),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_a_quiet_link_passed_over_judges_as_if_every_reading_was_added(
+    readings: list[tuple[float, list[tuple[int | None, ...]]]],
+) -> None:
+    """Repeated equal readings of links without error growth are skipped; the verdicts (and
+    the counts in their reasons) match a watch that adds every reading, through growth,
+    resets (a counter going down) and windows moving on."""
+    skipping, adding = NvLinkWatch(10.0), NvLinkWatch(10.0)
+    adding._quiet = _RemembersNothing()
+    now = 0.0
+    for step, errors in readings:
+        # equal readings are the common case: repeat each one a few times
+        for _ in range(3):
+            now += step
+            links = tuple(NvLink(i, True, errs) for i, errs in enumerate(errors))
+            assert skipping.verdict(links, now) == adding.verdict(links, now)

@@ -4,8 +4,8 @@ keep current: reading them does no I/O, so probes of every node cost nothing dow
 Liveness fails when a supervised task died or the collector stalled (a hung NVML call): the
 kubelet then restarts a wedged agent. Readiness also needs a successful NVML read and at least
 one exporter that is not losing records (see docs/exporters/README.md for the fan-out policy).
-`run` re-evaluates readiness on its own cadence so `gpuid_health_check_success` is current
-whether or not anyone probes.
+`run` re-evaluates readiness after each snapshot and at least every READINESS_EVERY seconds,
+so `gpuid_health_check_success` is current whether or not anyone probes.
 
 What /status shows of the node comes from the latest snapshot on the bus (inventory, health,
 per-process shares, usage) and the status board; the parts that keep their own state (labels,
@@ -15,6 +15,7 @@ pods, allocation trail, hardware, the attributor's sources) describe themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -29,10 +30,13 @@ from gpuid_agent.runtime.status import Reason, StatusBoard
 from gpuid_agent.runtime.supervisor import Supervisor
 from gpuid_agent.serving.share_families import usage_status
 from gpuid_agent.state.attribution.shares import PROCESSES_OFF, ProcessView
-from gpuid_agent.state.bus import SnapshotBus
+from gpuid_agent.state.bus import SnapshotBus, Subscription
 from gpuid_agent.state.collector import NodeIdentity
 from gpuid_agent.state.health.verdicts import NodeHealth
 from gpuid_agent.state.health.workloads import health_status
+
+# Seconds between readiness evaluations when no snapshot comes (a stalled collector)
+READINESS_EVERY = 30.0
 
 
 class Describes(Protocol):
@@ -98,11 +102,16 @@ class StatusPage:
         self._metrics.health_check_success.set(1 if ok else 0)
         return ok, problems
 
-    async def run(self, every: float = 2.0) -> None:
-        """Keep readiness (and its gauge) current without anyone probing."""
+    async def run(self, snapshots: Subscription, every: float = READINESS_EVERY) -> None:
+        """Keep readiness (and its gauge) current without anyone probing: after each snapshot
+        (a collection, an attribution) and at least every `every` seconds, since a stalled
+        collector publishes none. Until the bus closes."""
         while True:
             self.readiness()
-            await asyncio.sleep(every)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every):
+                    if await snapshots.next() is None:
+                        return
 
     def status(self) -> dict[str, Any]:
         ready, problems = self.readiness()

@@ -1,7 +1,7 @@
 """XID events: an NVML event set waited on in a thread of its own.
 
 `nvmlEventSetWait_v2` blocks for up to its timeout, so it cannot share the NVML reader thread
-(reads would stall behind it) and must never run on the event loop. The thread waits in short
+(reads would stall behind it) and must never run on the event loop. The thread waits in
 slices so that stopping it takes at most one slice, registers GPUs as they become readable, and
 hands each XID to `deliver` (called from this thread: it must be thread safe, e.g. a
 `loop.call_soon_threadsafe` wrapper).
@@ -45,6 +45,7 @@ class XidWatcher:
         self._wait_ms = max(1, int(wait_ms))
         self._retry_after = retry_after
         self._targets: dict[int, str] = {}
+        self._targets_version = 0  # moves when the targets change: registering again is due
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,13 +64,19 @@ class XidWatcher:
         """Watch these GPUs ({index: uuid}); starts the thread on first use, and again should
         it have died (each call is one collection later, so a broken thread cannot spin)."""
         with self._lock:
-            self._targets = dict(targets)
+            if targets != self._targets:
+                self._targets = dict(targets)
+                self._targets_version += 1
         if self.alive or self.unavailable is not None or self._stop.is_set():
             return
         if self._thread is not None:
             _log.warning("restarting the XID thread")
         self._thread = threading.Thread(target=self._run, name="nvml-xid", daemon=True)
         self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the thread to finish after its current wait, without waiting for it."""
+        self._stop.set()
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to finish; True when it did within `timeout` seconds."""
@@ -122,6 +129,7 @@ class XidWatcher:
         event_set: Any = None
         registered: dict[Hashable, tuple[int, str]] = {}
         retry_at: dict[int, float] = {}
+        done_version = -1  # the targets version registered on this set
         backoff = Backoff(self._retry_after, max(self._retry_after, _MAX_PAUSE))
         try:
             while not self._stop.is_set():
@@ -130,7 +138,10 @@ class XidWatcher:
                         event_set = self._api.event_set_create()
                         registered.clear()
                         retry_at.clear()
-                    self._register(event_set, registered, retry_at)
+                        done_version = -1
+                    # Most wakes are empty timeouts: register only when there is news.
+                    if done_version != self._targets_version or retry_at:
+                        done_version = self._register(event_set, registered, retry_at)
                     event = self._api.event_set_wait(event_set, self._wait_ms)
                 except pynvml.NVMLError as exc:
                     found = fault(exc)
@@ -167,9 +178,10 @@ class XidWatcher:
         event_set: Any,
         registered: dict[Hashable, tuple[int, str]],
         retry_at: dict[int, float],
-    ) -> None:
+    ) -> int:
+        """Register the targets not yet on the set; the targets version they were."""
         with self._lock:
-            targets = dict(self._targets)
+            targets, version = dict(self._targets), self._targets_version
         done = {index: uuid for index, uuid in registered.values()}
         unsupported = dict(self.unsupported)
         now = time.monotonic()
@@ -195,6 +207,7 @@ class XidWatcher:
             retry_at.pop(index, None)
         if unsupported != self.unsupported:
             self.unsupported = MappingProxyType(unsupported)
+        return version
 
     def _handle(self, event: NvmlEvent, registered: Mapping[Hashable, tuple[int, str]]) -> None:
         if event.event_type != pynvml.nvmlEventTypeXidCriticalError:

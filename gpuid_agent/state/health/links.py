@@ -126,6 +126,10 @@ class NvLinkWatch:
         self.expected = expected
         self.seen_up: set[int] = set()
         self._errors: dict[tuple[int, int], CounterWindow] = {}
+        # Each link whose counters showed no growth at their last reading, with those values:
+        # an equal reading adds nothing to windows that hold one value (the growth against
+        # any baseline stays that value's), so the link is passed over.
+        self._quiet: dict[int, tuple[int | None, ...]] = {}
 
     def verdict(
         self, links: Sequence[NvLink], now: float, peers: NvLinkPeers | None = None
@@ -136,6 +140,8 @@ class NvLinkWatch:
         growing: dict[int, list[str]] = {}
         recovery: list[int] = []
         for lk in links:
+            if self._quiet.get(lk.link) == lk.errors:
+                continue
             for counter, value in enumerate(lk.errors):
                 if value is None:
                     continue
@@ -148,6 +154,10 @@ class NvLinkWatch:
                     growing.setdefault(lk.link, []).append(f"{grown} {name}")
                     if counter == _RECOVERY:
                         recovery.append(lk.link)
+            if lk.link in growing:
+                self._quiet.pop(lk.link, None)
+            else:
+                self._quiet[lk.link] = lk.errors
         if down:
             plural = "s" if len(down) > 1 else ""
             return Verdict("unhealthy", f"NVLink{plural} {_links_text(down)} down", "reboot")

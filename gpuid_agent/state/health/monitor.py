@@ -35,6 +35,8 @@ _log = log.get("health")
 EXPECTED_CONFIGURED = "EXPECTED_GPU_COUNT"
 EXPECTED_FROM_KUBELET = "kubelet allocatable"
 EXPECTED_FROM_SLICES = "DRA ResourceSlices"
+# The longest XID wait slice: what stopping the XID thread may take
+XID_WAIT_MAX_MS = 2000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +82,10 @@ class HealthMonitor:
 
             self.kernel = KernelLogWatch(config.kernel_log, self.tracker, board)
         self.reader = HealthReader(nvml.reader.api)
-        # XID waits are sliced to the collection interval (50 ms..1 s): the slice bounds how
-        # long stopping the XID thread takes.
-        wait_ms = int(min(1000.0, max(50.0, config.collect_interval * 1000)))
+        # XID waits are sliced to the collection interval (50 ms..2 s): the slice bounds how
+        # long stopping the XID thread takes (the agent asks it to stop as its shutdown
+        # begins, and waits at most 2 s for it at the end), and each slice is a wake-up.
+        wait_ms = int(min(XID_WAIT_MAX_MS, max(50.0, config.collect_interval * 1000)))
         self.xid = XidWatcher(nvml.reader.api, on_xid, wait_ms=wait_ms)
         self._expected = config.expected_gpu_count
         self._board = board
