@@ -6,6 +6,7 @@ import io
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ from gpuid_agent.agent import Agent
 from gpuid_agent.delivery.exporters.stdout import StdoutExporter
 from gpuid_agent.runtime.errors import ConfigError
 from gpuid_agent.simulate.nvml_backend import SimulatedNvml
+from gpuid_agent.sources.nvml.xid import XidWatcher
 from tests.conftest import node_health, running_agent, serves, settings
 from tests.waiting import eventually
 
@@ -123,6 +125,7 @@ async def test_a_delayed_fault_is_one_transition_later() -> None:
 
 async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own() -> None:
     seen: dict[str, set[str]] = {}
+    os_names: set[tuple[str, str]] = set()  # (Python's name, the OS's) of each calling thread
     event_calls = {"event_set_create", "register_xid_events", "event_set_wait", "event_set_free"}
 
     class Recording(SimulatedNvml):
@@ -133,6 +136,8 @@ async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own()
 
             def called(*args, **kwargs):  # type: ignore[no-untyped-def]
                 seen.setdefault(name, set()).add(threading.current_thread().name)
+                comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+                os_names.add((threading.current_thread().name, comm.read_text().strip()))
                 return value(*args, **kwargs)
 
             return called
@@ -161,6 +166,10 @@ async def test_health_reads_stay_on_the_nvml_thread_and_xid_waits_on_their_own()
     on_xid_thread = {n for n, threads in seen.items() if "nvml-xid" in threads}
     assert on_xid_thread <= event_calls | {"handle_by_index", "device_count", "device_key"}
     assert all(t.startswith("nvml") for threads in seen.values() for t in threads), seen
+    # and `top -H` names them too
+    named = {python for python, _ in os_names}
+    assert "nvml-xid" in named and any(n.startswith("nvml_") for n in named), named
+    assert all(python == os_name for python, os_name in os_names), os_names
 
 
 async def test_the_xid_thread_survives_wait_errors_and_its_own_failures() -> None:
@@ -225,3 +234,43 @@ async def test_dcgm_naming_gets_the_last_xid_gauge() -> None:
         assert all("uuid" in s.labels and "model_name" in s.labels for s in states)
         xid = families["DCGM_FI_DEV_XID_ERRORS"].samples
         assert all("UUID" in s.labels and "modelName" in s.labels for s in xid)
+
+
+class _CountingNvml(SimulatedNvml):
+    """The simulated driver, counting the event calls the XID thread makes."""
+
+    def __init__(self) -> None:
+        super().__init__("h100x8", "node-a")
+        self.registered: list[int] = []
+        self.waits = 0
+
+    def register_xid_events(self, handle: Any, event_set: Any) -> None:
+        super().register_xid_events(handle, event_set)
+        self.registered.append(self.gpus.index(self._gpu(handle)))
+
+    def event_set_wait(self, event_set: Any, timeout_ms: int) -> Any:
+        self.waits += 1
+        return super().event_set_wait(event_set, timeout_ms)
+
+
+async def test_the_xid_thread_registers_a_gpu_once_and_one_watched_later_too() -> None:
+    """Most waits time out with nothing to do, so the thread registers only when the watched
+    GPUs change: a GPU readable later is still registered, and none twice."""
+    api = _CountingNvml()
+    api.init()
+    uuids = {i: api.uuid(api.handle_by_index(i)) for i in range(8)}
+    watcher = XidWatcher(api, lambda event: None, wait_ms=10)
+    try:
+        watcher.watch({0: uuids[0], 1: uuids[1]})
+        await eventually(lambda: api.waits >= 20)
+        watcher.watch({0: uuids[0], 1: uuids[1]})  # the next collection: nothing new
+        waits = api.waits
+        await eventually(lambda: api.waits >= waits + 20)
+        assert sorted(api.registered) == [0, 1]
+        watcher.watch({0: uuids[0], 1: uuids[1], 5: uuids[5]})  # a GPU became readable
+        await eventually(lambda: 5 in api.registered)
+        waits = api.waits
+        await eventually(lambda: api.waits >= waits + 20)
+        assert sorted(api.registered) == [0, 1, 5]
+    finally:
+        assert watcher.stop(2.0)

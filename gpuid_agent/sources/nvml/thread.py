@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from gpuid_agent.runtime.errors import NvmlStalledError
+from gpuid_agent.runtime.thread_names import name_os_thread
 
 _ids = itertools.count(1)
 _Job = tuple[str, Callable[[], Any], "Future[Any]"]
@@ -80,6 +81,7 @@ class NvmlThread:
             self._jobs.put(None)
 
     def _run(self) -> None:
+        name_os_thread(self.thread.name)
         _local.worker = self
         while True:
             job = self._jobs.get()

@@ -22,6 +22,7 @@ import pynvml
 
 from gpuid_agent.runtime import log
 from gpuid_agent.runtime.retry import Backoff
+from gpuid_agent.runtime.thread_names import name_os_thread
 from gpuid_agent.sources.nvml.api import NvmlApi
 from gpuid_agent.sources.nvml.errors import UNOFFERED, NvmlFault, error_code, fault
 from gpuid_agent.sources.nvml.signals import NvmlEvent, XidEvent
@@ -116,6 +117,7 @@ class XidWatcher:
             _log.warning(message, extra=extra)
 
     def _run(self) -> None:
+        name_os_thread(threading.current_thread().name)
         try:
             self._loop()
         except Exception:  # a bug here must not end XID watching for good
