@@ -215,6 +215,16 @@ CASES: dict[str, tuple[Respond | bytes | None, int, str]] = {
         9,
         "café 100%",
     ),
+    "going away before answering": (
+        lambda conn, stream: conn.close_connection(last_stream_id=0),
+        Status.UNAVAILABLE,
+        "server closed the connection",
+    ),
+    "reset before answering": (
+        lambda conn, stream: conn.reset_stream(stream, error_code=2),
+        Status.INTERNAL,
+        "stream reset by the server (error code 2)",
+    ),
     "garbage instead of HTTP/2": (b"HTTP/1.1 400 Bad Request\r\n\r\n", Status.UNAVAILABLE, ""),
     "connection closed": (b"", Status.UNAVAILABLE, ""),
     "never answers": (None, Status.DEADLINE_EXCEEDED, "within"),
@@ -275,4 +285,5 @@ async def test_a_node_agent_loads_protobuf_but_not_grpcio(
     assert "gpuid_agent.sources.kubelet.unary" in node
     assert "gpuid_agent.sources.kubelet.v1.api_pb2" in node
     assert not {m for m in node if m.split(".")[0] == "grpc" or m.endswith("_pb2_grpc")}
+    assert "hpack" in node and "h2" not in node  # HTTP/2 framed by the agent itself
     assert "grpc" in simulated

@@ -2,8 +2,9 @@
 
 The agent asks the kubelet one or two unary questions every few seconds. grpcio's runtime adds
 8.5 MiB and its event-engine threads stay busy for milliseconds after every call (a quarter of
-the agent's idle CPU at a 2 s poll); this is one asyncio connection, framed by `h2`, that does
-nothing between calls. Calls are serialised: the poller makes one at a time anyway.
+the agent's idle CPU at a 2 s poll); this is one asyncio connection, framed by `http2` (the
+client side of HTTP/2 a unary call needs), that does nothing between calls. Calls are
+serialised: the poller makes one at a time anyway.
 
 Statuses follow the gRPC HTTP/2 protocol: `grpc-status` in the trailers (or in the headers of a
 trailers-only answer), the HTTP status mapped when there is none, connection failures as
@@ -19,17 +20,17 @@ import struct
 from enum import IntEnum
 from urllib.parse import unquote
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-
 from gpuid_agent.runtime.errors import GrpcCallError
+from gpuid_agent.sources.kubelet.http2 import (
+    REFUSED_STREAM,
+    Answer,
+    ClientConnection,
+    ProtocolError,
+    header_block,
+)
 
 _READ_CHUNK = 256 * 1024
-_WINDOW = 2**31 - 1  # the largest flow-control window: never stall a large answer
+_MAX_HEADER_LIST = 64 * 1024
 _PREFIX = struct.Struct(">BI")  # gRPC message framing: compressed flag, length
 
 
@@ -68,16 +69,6 @@ _HTTP_STATUS = {
 }
 
 
-class _Answer:
-    """What has arrived for one stream."""
-
-    def __init__(self) -> None:
-        self.headers: dict[bytes, bytes] | None = None
-        self.trailers: dict[bytes, bytes] = {}
-        self.body = bytearray()
-        self.ended = False
-
-
 class UnaryChannel:
     """One HTTP/2 connection to a gRPC server listening on `socket_path`, dialled on first use
     and again after any failure of the connection itself."""
@@ -89,8 +80,9 @@ class UnaryChannel:
         self._lock = asyncio.Lock()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._h2: h2.connection.H2Connection | None = None
+        self._conn: ClientConnection | None = None
         self._reused = False  # the open connection has answered a call before
+        self._blocks: dict[str, bytes] = {}  # each method's request headers, encoded once
 
     async def call(self, method: str, request: bytes) -> bytes:
         """The serialized answer of unary `method` ("/package.Service/Method")."""
@@ -118,25 +110,30 @@ class UnaryChannel:
     # ---- one attempt -----------------------------------------------------------------------
 
     async def _attempt(self, method: str, request: bytes) -> bytes:
-        answer = _Answer()
+        answer: Answer | None = None
         try:
             conn = await self._connection()
-            stream = self._send(conn, method, request)
-            await self._receive(conn, stream, answer)
+            answer = conn.request(self._block(method), _PREFIX.pack(0, len(request)) + request)
+            self._flush()
+            await self._receive(conn, answer)
         except GrpcCallError:
             await self._drop()  # the connection's own failure: the next call dials afresh
             raise
-        except (OSError, h2.exceptions.H2Error) as exc:
+        except (OSError, ProtocolError) as exc:
             await self._drop()
+            unsent = answer is None or answer.headers is None
             raise _call_error(
-                Status.UNAVAILABLE, f"connection failed: {exc}", unsent=answer.headers is None
+                Status.UNAVAILABLE, f"connection failed: {exc}", unsent=unsent
             ) from exc
-        self._reused = True
+        if conn.usable:
+            self._reused = True
+        else:  # the server is going away, or the stream ids are used up: dial afresh next
+            await self._drop()
         return self._message(answer)  # a status of the server's: the connection stays
 
-    async def _connection(self) -> h2.connection.H2Connection:
-        if self._h2 is not None and self._reader is not None and not self._reader.at_eof():
-            return self._h2
+    async def _connection(self) -> ClientConnection:
+        if self._conn is not None and self._reader is not None and not self._reader.at_eof():
+            return self._conn
         await self._drop()
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(
@@ -146,52 +143,29 @@ class UnaryChannel:
             raise _call_error(Status.PERMISSION_DENIED, f"cannot connect: {exc.strerror}") from exc
         except OSError as exc:
             raise _call_error(Status.UNAVAILABLE, f"cannot connect: {exc.strerror or exc}") from exc
-        conn = h2.connection.H2Connection(
-            h2.config.H2Configuration(
-                client_side=True,
-                header_encoding=None,
-                # our own headers are constant and known good; the answer's are read only
-                # for what gRPC defines, each checked where it is read
-                validate_outbound_headers=False,
-                normalize_outbound_headers=False,
-                validate_inbound_headers=False,
-            )
-        )
-        conn.local_settings = h2.settings.Settings(
-            client=True,
-            initial_values={
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
-            },
-        )
-        conn.initiate_connection()
-        conn.increment_flow_control_window(_WINDOW - 65535)
-        self._h2 = conn
+        self._conn = ClientConnection(_MAX_HEADER_LIST)
         self._reused = False
-        self._flush()
-        return conn
+        self._flush()  # the preface and settings
+        return self._conn
 
-    def _send(self, conn: h2.connection.H2Connection, method: str, request: bytes) -> int:
-        stream = conn.get_next_available_stream_id()
-        headers = [
-            (b":method", b"POST"),
-            (b":scheme", b"http"),
-            (b":path", method.encode()),
-            (b":authority", b"localhost"),
-            (b"te", b"trailers"),
-            (b"content-type", b"application/grpc"),
-            (b"grpc-timeout", f"{max(1, int(self.timeout * 1000))}m".encode()),
-            (b"user-agent", b"gpuid-agent"),
-        ]
-        conn.send_headers(stream, headers)
-        conn.send_data(stream, _PREFIX.pack(0, len(request)) + request, end_stream=True)
-        self._flush()
-        return stream
+    def _block(self, method: str) -> bytes:
+        block = self._blocks.get(method)
+        if block is None:
+            block = self._blocks[method] = header_block(
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"http"),
+                    (b":path", method.encode()),
+                    (b":authority", b"localhost"),
+                    (b"te", b"trailers"),
+                    (b"content-type", b"application/grpc"),
+                    (b"grpc-timeout", f"{max(1, int(self.timeout * 1000))}m".encode()),
+                    (b"user-agent", b"gpuid-agent"),
+                ]
+            )
+        return block
 
-    async def _receive(
-        self, conn: h2.connection.H2Connection, stream: int, answer: _Answer
-    ) -> None:
+    async def _receive(self, conn: ClientConnection, answer: Answer) -> None:
         assert self._reader is not None
         limit = self.max_message_bytes + _PREFIX.size
         while not answer.ended:
@@ -200,39 +174,25 @@ class UnaryChannel:
                 raise _call_error(
                     Status.UNAVAILABLE, "connection closed", unsent=answer.headers is None
                 )
-            for event in conn.receive_data(data):
-                self._handle(conn, event, stream, answer)
+            conn.receive(data)
+            self._flush()  # settings and pings acknowledged, the window kept open
+            if answer.reset is not None:
+                refused = answer.reset == REFUSED_STREAM
+                status = Status.UNAVAILABLE if refused else Status.INTERNAL
+                raise _call_error(
+                    status,
+                    f"stream reset by the server (error code {answer.reset})",
+                    unsent=refused,
+                )
+            if conn.going_away is not None and conn.going_away < conn.stream:
+                raise _call_error(Status.UNAVAILABLE, "server closed the connection", unsent=True)
             if len(answer.body) > limit:
                 raise _call_error(
                     Status.RESOURCE_EXHAUSTED,
                     f"answer larger than {self.max_message_bytes} bytes",
                 )
-            self._flush()
 
-    def _handle(
-        self, conn: h2.connection.H2Connection, event: object, stream: int, answer: _Answer
-    ) -> None:
-        if isinstance(event, h2.events.ConnectionTerminated):
-            unsent = answer.headers is None
-            raise _call_error(Status.UNAVAILABLE, "server closed the connection", unsent=unsent)
-        if getattr(event, "stream_id", stream) != stream:
-            return
-        if isinstance(event, h2.events.ResponseReceived):
-            answer.headers = dict(event.headers)
-        elif isinstance(event, h2.events.DataReceived):
-            answer.body += event.data
-            conn.acknowledge_received_data(event.flow_controlled_length, stream)
-        elif isinstance(event, h2.events.TrailersReceived):
-            answer.trailers = dict(event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
-            answer.ended = True
-        elif isinstance(event, h2.events.StreamReset):
-            code = event.error_code
-            refused = code == h2.errors.ErrorCodes.REFUSED_STREAM
-            status = Status.UNAVAILABLE if refused else Status.INTERNAL
-            raise _call_error(status, f"stream reset by the server ({code!s})", unsent=refused)
-
-    def _message(self, answer: _Answer) -> bytes:
+    def _message(self, answer: Answer) -> bytes:
         """The one message of a finished answer, or the call's error."""
         headers = answer.headers or {}
         found = answer.trailers.get(b"grpc-status", headers.get(b"grpc-status"))
@@ -258,13 +218,13 @@ class UnaryChannel:
         return bytes(body[_PREFIX.size :])
 
     def _flush(self) -> None:
-        if self._h2 is not None and self._writer is not None:
-            out = self._h2.data_to_send()
+        if self._conn is not None and self._writer is not None:
+            out = self._conn.data_to_send()
             if out:
                 self._writer.write(out)
 
     async def _drop(self) -> None:
-        writer, self._writer, self._reader, self._h2 = self._writer, None, None, None
+        writer, self._writer, self._reader, self._conn = self._writer, None, None, None
         self._reused = False
         if writer is not None:
             writer.close()
