@@ -54,20 +54,28 @@ def modal_speed(links: Iterable[NvLink]) -> int | None:
 
 def peer_views(gpus: Sequence[PeerInput]) -> dict[str, NvLinkPeers]:
     """For each GPU with NVLinks, what the other GPUs of its model show (absent: no peer)."""
+    # each GPU summed up once (links, links ever up, modal speed), then compared with its peers
+    read = [
+        (
+            g,
+            len(g.links),
+            g.seen_up | {lk.link for lk in g.links if lk.active},
+            modal_speed(g.links),
+        )
+        for g in gpus
+        if g.model and g.links
+    ]
     views: dict[str, NvLinkPeers] = {}
-    read = [g for g in gpus if g.model and g.links]
-    for gpu in read:
-        others = [o for o in read if o.model == gpu.model and o.uuid != gpu.uuid]
+    for gpu, *_ in read:
+        others = [o for o in read if o[0].model == gpu.model and o[0].uuid != gpu.uuid]
         if not others:
             continue
-        speeds = [s for o in others if o.links and (s := modal_speed(o.links)) is not None]
+        speeds = [speed for *_, speed in others if speed is not None]
         views[gpu.uuid] = NvLinkPeers(
             model=gpu.model or "",
             gpus=len(others),
-            links=max(len(o.links or ()) for o in others),
-            up=frozenset().union(
-                *(o.seen_up | {lk.link for lk in o.links or () if lk.active} for o in others)
-            ),
+            links=max(links for _, links, _, _ in others),
+            up=frozenset().union(*(up for _, _, up, _ in others)),
             speed_mbps=Counter(speeds).most_common(1)[0][0] if speeds else None,
         )
     return views
