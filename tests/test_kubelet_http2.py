@@ -12,12 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuid_agent.sources.kubelet.http2 import (
-    Answer,
-    ClientConnection,
-    ProtocolError,
-    header_block,
-)
+from gpuid_agent.runtime.errors import Http2ProtocolError
+from gpuid_agent.sources.kubelet.http2 import Answer, ClientConnection, header_block
 
 REQUEST = [
     (b":method", b"POST"),
@@ -152,7 +148,7 @@ def test_the_connection_window_is_kept_open() -> None:
     ],
 )
 def test_a_server_that_does_not_speak_http2_first_is_refused(frames: bytes) -> None:
-    with pytest.raises(ProtocolError):
+    with pytest.raises(Http2ProtocolError):
         ClientConnection(1024).receive(frames)
 
 
@@ -176,6 +172,6 @@ def test_any_bytes_after_the_handshake_are_survived_or_refused(junk: bytes, step
         for at in range(0, len(junk), step):
             client.receive(junk[at : at + step])
             client.data_to_send()
-    except ProtocolError:
+    except Http2ProtocolError:
         return
     assert isinstance(answer.body, bytearray)

@@ -10,6 +10,7 @@
     ├── SourceError
     │   ├── PodResourcesError      the kubelet's pod-resources socket could not be asked
     │   ├── GrpcCallError          a gRPC call to the kubelet ended without status OK
+    │   ├── Http2ProtocolError     the kubelet's connection spoke HTTP/2 wrongly
     │   ├── PodResourcesDecodeError   a kubelet answer that is no well-formed message
     │   │                          (also a ValueError)
     │   ├── DeviceIdError          a kubelet device id of no known form (also a ValueError)
@@ -96,6 +97,10 @@ class GrpcCallError(SourceError):
         self.name = status_name
         self.details = details
         self.unsent = unsent
+
+
+class Http2ProtocolError(SourceError):
+    """The server spoke HTTP/2 wrongly: the connection cannot be used any more."""
 
 
 class PodResourcesDecodeError(SourceError, ValueError):

@@ -7,7 +7,7 @@ answer is a handful of frames parsed in one pass. The connection still does what
 asks of a client: it starts with the preface and its settings, acknowledges the server's
 settings and pings, keeps the connection's receive window open, decodes every header block in
 order (the server's HPACK table depends on it), refuses pushes, and treats a frame it cannot
-parse as the end of the connection (`ProtocolError`).
+parse as the end of the connection (`Http2ProtocolError`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import struct
 from collections.abc import Sequence
 
 import hpack
+
+from gpuid_agent.runtime.errors import Http2ProtocolError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -28,10 +30,6 @@ WINDOW = 2**31 - 1  # the largest window, for each stream and the connection
 MAX_STREAM = 2**31 - 1
 _SETTING = struct.Struct(">HI")
 _ENABLE_PUSH, _INITIAL_WINDOW_SIZE, _MAX_HEADER_LIST_SIZE = 0x2, 0x4, 0x6
-
-
-class ProtocolError(Exception):
-    """The server spoke HTTP/2 wrongly: the connection cannot be used any more."""
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -122,7 +120,7 @@ class ClientConnection:
         return out
 
     def receive(self, data: bytes) -> None:
-        """Take bytes from the server; raises ProtocolError when they are not HTTP/2."""
+        """Take bytes from the server; raises Http2ProtocolError when they are not HTTP/2."""
         buffer = self._buffer
         buffer += data
         at = 0
@@ -131,9 +129,9 @@ class ClientConnection:
             kind, flags = buffer[at + 3], buffer[at + 4]
             stream = int.from_bytes(buffer[at + 5 : at + 9], "big") & MAX_STREAM
             if length > MAX_FRAME:
-                raise ProtocolError(f"a frame of {length} bytes, over the {MAX_FRAME} allowed")
+                raise Http2ProtocolError(f"a frame of {length} bytes, over the {MAX_FRAME} allowed")
             if not self._settled and kind != SETTINGS:
-                raise ProtocolError("the server did not begin with its SETTINGS")
+                raise Http2ProtocolError("the server did not begin with its SETTINGS")
             if len(buffer) - at < 9 + length:
                 break
             payload = bytes(buffer[at + 9 : at + 9 + length])
@@ -148,11 +146,11 @@ class ClientConnection:
 
     def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         if self._block is not None and kind != CONTINUATION:
-            raise ProtocolError("a header block interrupted by another frame")
+            raise Http2ProtocolError("a header block interrupted by another frame")
         if kind in (DATA, HEADERS, RST_STREAM, CONTINUATION) and stream == 0:
-            raise ProtocolError(f"frame type {kind} on stream 0")
+            raise Http2ProtocolError(f"frame type {kind} on stream 0")
         if kind in (SETTINGS, PING, GOAWAY) and stream != 0:
-            raise ProtocolError(f"frame type {kind} on a stream")
+            raise Http2ProtocolError(f"frame type {kind} on a stream")
         if kind == DATA:
             self._unacknowledged += len(payload)
             if stream == self.stream:
@@ -166,39 +164,39 @@ class ClientConnection:
             self._continued(flags)
         elif kind == CONTINUATION:
             if self._block is None or self._block[0] != stream:
-                raise ProtocolError("CONTINUATION without the HEADERS it continues")
+                raise Http2ProtocolError("CONTINUATION without the HEADERS it continues")
             self._block[2].extend(payload)
             self._continued(flags)
         elif kind == RST_STREAM:
             if len(payload) != 4:
-                raise ProtocolError("RST_STREAM of the wrong size")
+                raise Http2ProtocolError("RST_STREAM of the wrong size")
             # After a complete answer a reset (NO_ERROR) only ends the request's sending side
             if stream == self.stream and not self.answer.ended:
                 self.answer.reset = int.from_bytes(payload, "big")
         elif kind == SETTINGS:
             self._settings(flags, payload)
         elif kind == PUSH_PROMISE:
-            raise ProtocolError("a push promised, though pushes were disabled")
+            raise Http2ProtocolError("a push promised, though pushes were disabled")
         elif kind == PING:
             if len(payload) != 8:
-                raise ProtocolError("PING of the wrong size")
+                raise Http2ProtocolError("PING of the wrong size")
             if not flags & ACK:
                 self._out += frame(PING, ACK, 0, payload)
         elif kind == GOAWAY:
             if len(payload) < 8:
-                raise ProtocolError("GOAWAY too short")
+                raise Http2ProtocolError("GOAWAY too short")
             self.going_away = int.from_bytes(payload[:4], "big") & MAX_STREAM
         elif kind == WINDOW_UPDATE and len(payload) != 4:
-            raise ProtocolError("WINDOW_UPDATE of the wrong size")
+            raise Http2ProtocolError("WINDOW_UPDATE of the wrong size")
         # PRIORITY, WINDOW_UPDATE (requests fit any window) and unknown types: nothing to do
 
     def _settings(self, flags: int, payload: bytes) -> None:
         if flags & ACK:
             if payload:
-                raise ProtocolError("a SETTINGS acknowledgement with settings")
+                raise Http2ProtocolError("a SETTINGS acknowledgement with settings")
             return
         if len(payload) % _SETTING.size:
-            raise ProtocolError("SETTINGS of the wrong size")
+            raise Http2ProtocolError("SETTINGS of the wrong size")
         self._settled = True  # nothing the server may set changes what this client sends
         self._out += frame(SETTINGS, ACK, 0)
 
@@ -206,14 +204,14 @@ class ClientConnection:
         assert self._block is not None
         stream, first_flags, block = self._block
         if len(block) > self._max_block:
-            raise ProtocolError("a header block over the header list limit")
+            raise Http2ProtocolError("a header block over the header list limit")
         if not flags & END_HEADERS:
             return
         self._block = None
         try:  # every block, whichever stream: the decoder's table must follow the server's
             headers = dict(self._decoder.decode(bytes(block), raw=True))
         except hpack.HPACKError as exc:
-            raise ProtocolError(f"a header block that does not decode: {exc}") from exc
+            raise Http2ProtocolError(f"a header block that does not decode: {exc}") from exc
         if stream != self.stream:
             return
         answer = self.answer
@@ -228,5 +226,5 @@ def _unpadded(flags: int, payload: bytes) -> bytes:
     if not flags & PADDED:
         return payload
     if not payload or payload[0] >= len(payload):
-        raise ProtocolError("padding longer than the frame")
+        raise Http2ProtocolError("padding longer than the frame")
     return payload[1 : len(payload) - payload[0]]

@@ -20,14 +20,8 @@ import struct
 from enum import IntEnum
 from urllib.parse import unquote
 
-from gpuid_agent.runtime.errors import GrpcCallError
-from gpuid_agent.sources.kubelet.http2 import (
-    REFUSED_STREAM,
-    Answer,
-    ClientConnection,
-    ProtocolError,
-    header_block,
-)
+from gpuid_agent.runtime.errors import GrpcCallError, Http2ProtocolError
+from gpuid_agent.sources.kubelet.http2 import REFUSED_STREAM, Answer, ClientConnection, header_block
 
 _READ_CHUNK = 256 * 1024
 _MAX_HEADER_LIST = 64 * 1024
@@ -119,7 +113,7 @@ class UnaryChannel:
         except GrpcCallError:
             await self._drop()  # the connection's own failure: the next call dials afresh
             raise
-        except (OSError, ProtocolError) as exc:
+        except (OSError, Http2ProtocolError) as exc:
             await self._drop()
             unsent = answer is None or answer.headers is None
             raise _call_error(
