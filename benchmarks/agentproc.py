@@ -27,8 +27,10 @@ def rss_mib(pid: int) -> float:
 
 
 def start_agent(
-    port: int, *args: str, env: dict[str, str] | None = None
+    port: int, *args: str, env: dict[str, str] | None = None, cwd: str | None = None
 ) -> subprocess.Popen[bytes]:
+    """The agent of the package found first from `cwd` (`python -m` puts the working directory
+    ahead of PYTHONPATH: another checkout's agent must be started from that checkout)."""
     base = {k: v for k, v in os.environ.items() if not k.isupper() or k in ("PATH", "HOME")}
     base |= {
         "SERVER_ADDRESS": "127.0.0.1",
@@ -41,6 +43,7 @@ def start_agent(
     return subprocess.Popen(
         [sys.executable, "-m", "gpuid_agent", "run", *args],
         env=base,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

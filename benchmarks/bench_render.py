@@ -87,7 +87,9 @@ class Pair:
         self.ports = {"this tree": free_port(), "baseline": free_port()}
         roots = {"this tree": ROOT, "baseline": baseline}
         self.procs = {
-            name: start_agent(port, env=DEFAULTS | env | {"PYTHONPATH": roots[name]})
+            name: start_agent(
+                port, env=DEFAULTS | env | {"PYTHONPATH": roots[name]}, cwd=roots[name]
+            )
             for name, port in self.ports.items()
         }
 
